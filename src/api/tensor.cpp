@@ -1,0 +1,90 @@
+#include "sparse_mla/tensor.h"
+
+namespace sparse_mla {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kUInt8: return 1;
+    case DType::kFloat8E4M3: return 1;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kFloat32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kUInt8: return "uint8";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    case DType::kInt32: return "int32";
+    case DType::kFloat32: return "float32";
+  }
+  return "unknown";
+}
+
+std::string device_name(Device device) {
+  if (device.type == DeviceType::kCPU) return "cpu";
+  return "cuda:" + std::to_string(device.index);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, Device device,
+                                  std::initializer_list<int64_t> shape) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = static_cast<int>(shape.size() > kMaxDims ? kMaxDims : shape.size());
+  int i = 0;
+  for (int64_t s : shape) {
+    if (i == t.ndim) break;
+    t.shape[i++] = s;
+  }
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+TensorView TensorView::strided(void* data, DType dtype, Device device,
+                               std::initializer_list<int64_t> shape,
+                               std::initializer_list<int64_t> strides) {
+  TensorView t = contiguous(data, dtype, device, shape);
+  int i = 0;
+  for (int64_t s : strides) {
+    if (i == t.ndim) break;
+    t.strides[i++] = s;
+  }
+  return t;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != stride) return false;
+    stride *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) {
+    if (d) s += ", ";
+    s += std::to_string(shape[d]);
+  }
+  return s + "]";
+}
+
+}  // namespace sparse_mla

@@ -1,0 +1,29 @@
+// Portable CUDA backend (sm_80+). Entry points called by the API layer after validation. All of
+// them only enqueue work on `stream`: no allocation, no host synchronization.
+#pragma once
+
+#include "src/api/problem.h"
+
+namespace sparse_mla::cuda {
+
+// Whether the CUDA runtime sees a device this build has code for ("" when yes, else why not).
+bool device_usable(int device_index, std::string* why_not);
+
+WorkspaceSizes sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index);
+Status sparse_decode_plan(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
+                          const Workspace& ws, void* stream);
+Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
+                     const Workspace& ws, void* stream);
+
+WorkspaceSizes dense_decode_workspace_size(const DenseDecodeProblem& p, int device_index);
+Status dense_decode_plan(const DenseDecodeArgs& args, const DenseDecodeProblem& p,
+                         const Workspace& ws, void* stream);
+Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p,
+                    const Workspace& ws, void* stream);
+
+Status merge_attention(const MergeArgs& args, const MergeProblem& p, void* stream);
+Status quantize_store(const QuantizeStoreArgs& args, void* stream);
+Status dequantize(const DequantizeArgs& args, void* stream);
+Status repack_pages(const RepackArgs& args, void* stream);
+
+}  // namespace sparse_mla::cuda
