@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds everything and runs the whole test suite: C++ (ctest; GPU tests skip without a GPU) and
+# the Python package (built into a virtual environment, then pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${BUILD_DIR:-build}
+
+scripts/build.sh
+ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+
+venv=${VENV_DIR:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q numpy ml_dtypes pytest
+# The Python tests exercise the CPU backend, so the extension is built without CUDA here; the GPU
+# machine builds it with CUDA (docs/python.md).
+"$venv/bin/python" -m pip install -q . -C cmake.define.SPARSE_MLA_CUDA=OFF -C build-dir=build-py
+set +e
+"$venv/bin/python" -m pytest tests/python -q
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+  echo "test.sh: pytest collected no tests" >&2
+  exit 1
+fi
+exit $rc
