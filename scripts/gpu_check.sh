@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build (all cores, CUDA for the local GPU), run the C++ GPU tests,
+# the Python tests, the sanitizers, `sparse-mla run` and the benchmark. Logs and JSON go to
+# $OUT (or ./gpu-out); a short table is printed last.
+#   scripts/gpu_check.sh [steps...]   steps: build test python sanitize run bench (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+steps=${*:-build test python sanitize run bench}
+archs=${SPARSE_MLA_CUDA_ARCHS:-90a}
+build_dir=build-gpu
+declare -A result
+
+step() {  # step NAME COMMAND...: runs COMMAND, logs to $out/NAME.log, records PASS/FAIL and time
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*" >&2
+  if "$@" >"$out/$name.log" 2>&1; then result[$name]="PASS"; else result[$name]="FAIL(rc=$?)"; fi
+  result[$name]="${result[$name]} $((SECONDS - t0))s"
+  tail -n 5 "$out/$name.log" >&2
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
+for s in $steps; do
+  case $s in
+    build)
+      step build bash -c "cmake -S . -B $build_dir -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DSPARSE_MLA_CUDA=ON -DSPARSE_MLA_CUDA_ARCHS='$archs' && cmake --build $build_dir -j 16" ;;
+    test)
+      step test ctest --test-dir $build_dir --output-on-failure -j 4 --timeout 600 ;;
+    python)
+      step python bash -c "python3 -m pip install -q --no-build-isolation --no-deps . \
+        -C cmake.define.SPARSE_MLA_CUDA_ARCHS='$archs' -C build-dir=build-py-gpu && \
+        python3 -m pytest tests/python -q -rs" ;;
+    sanitize)
+      step sanitize bash tools/gpu_sanitize.sh $build_dir "$out" ;;
+    run)
+      step run bash -c "$build_dir/tools/sparse-mla run --backend cuda && \
+        $build_dir/tools/sparse-mla run --backend cuda --model dsv4-pro --batch 64 --context 32768 --mtp" ;;
+    bench)
+      step bench bash -c "$build_dir/tools/sparse-mla bench --out-dir '$out' ${BENCH_ARGS:-}" ;;
+  esac
+done
+
+echo
+echo "GPU check ($(head -2 "$out/gpu.txt" | tail -1))"
+printf '%-10s %s\n' step result
+for s in $steps; do printf '%-10s %s\n' "$s" "${result[$s]:-skipped}"; done
+grep -h -E "tests passed|tests failed" "$out/test.log" 2>/dev/null
+grep -h -E "passed|failed" "$out/python.log" 2>/dev/null | tail -1
