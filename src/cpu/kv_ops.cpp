@@ -16,10 +16,14 @@ namespace {
 float load_value(const TensorView& t, int64_t row, int64_t col) {
   const int64_t off = row * t.strides[0] + col * t.strides[1];
   switch (t.dtype) {
-    case DType::kFloat32: return static_cast<const float*>(t.data)[off];
-    case DType::kBFloat16: return fmt::bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-    case DType::kFloat16: return fmt::fp16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-    default: return 0.f;
+    case DType::kFloat32:
+      return static_cast<const float*>(t.data)[off];
+    case DType::kBFloat16:
+      return fmt::bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
+    case DType::kFloat16:
+      return fmt::fp16_to_float(static_cast<const uint16_t*>(t.data)[off]);
+    default:
+      return 0.f;
   }
 }
 
@@ -138,9 +142,9 @@ void dequantize_row(const KVCache& kv, int64_t slot, const TensorView& out, int6
       for (int j = 0; j < kDenseHeadDim; ++j) {
         uint16_t bits;
         std::memcpy(&bits, data + 2 * j, 2);
-        store_out(out, row, j,
-                  kv.format == KVFormat::kBF16 ? fmt::bf16_to_float(bits)
-                                               : fmt::fp16_to_float(bits));
+        store_out(
+            out, row, j,
+            kv.format == KVFormat::kBF16 ? fmt::bf16_to_float(bits) : fmt::fp16_to_float(bits));
       }
       break;
     }
@@ -211,8 +215,7 @@ Status repack_pages(const RepackArgs& args) {
   const int64_t b = args.seqlens.shape[0];
   const int64_t max_src_pages = args.src_block_table.shape[1];
   const int64_t max_dst_pages = args.dst_block_table.shape[1];
-  const int64_t capacity =
-      std::min(max_src_pages * src.page_size, max_dst_pages * dst.page_size);
+  const int64_t capacity = std::min(max_src_pages * src.page_size, max_dst_pages * dst.page_size);
   // One work item per (request, dst page): items write disjoint pages unless the caller's
   // tables name one page twice.
 #pragma omp parallel for collapse(2) schedule(dynamic, 4)

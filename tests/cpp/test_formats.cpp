@@ -19,8 +19,8 @@ float next_up(float x) { return std::nextafter(x, std::numeric_limits<float>::in
 // The e4m3fn value of a code from its definition, independent of format.h.
 double e4m3_by_definition(int code) {
   const int sign = code >> 7, exp = (code >> 3) & 15, man = code & 7;
-  const double mag = exp == 0 ? man / 8.0 * std::ldexp(1.0, -6)
-                              : (1.0 + man / 8.0) * std::ldexp(1.0, exp - 7);
+  const double mag =
+      exp == 0 ? man / 8.0 * std::ldexp(1.0, -6) : (1.0 + man / 8.0) * std::ldexp(1.0, exp - 7);
   return sign ? -mag : mag;
 }
 
@@ -55,12 +55,12 @@ TEST(FormatE4M3, AllCodesRoundTrip) {
 
 TEST(FormatE4M3, RoundsToNearestEven) {
   EXPECT_EQ(fmt::float_to_e4m3(1.0f), 0x38);
-  EXPECT_EQ(fmt::float_to_e4m3(1.0625f), 0x38);             // tie between 1 and 1.125 -> even
-  EXPECT_EQ(fmt::float_to_e4m3(next_up(1.0625f)), 0x39);    // just above the tie
-  EXPECT_EQ(fmt::float_to_e4m3(1.1875f), 0x3A);             // tie between 1.125 and 1.25 -> even
+  EXPECT_EQ(fmt::float_to_e4m3(1.0625f), 0x38);           // tie between 1 and 1.125 -> even
+  EXPECT_EQ(fmt::float_to_e4m3(next_up(1.0625f)), 0x39);  // just above the tie
+  EXPECT_EQ(fmt::float_to_e4m3(1.1875f), 0x3A);           // tie between 1.125 and 1.25 -> even
   EXPECT_EQ(fmt::float_to_e4m3(-1.1875f), 0xBA);
-  EXPECT_EQ(fmt::float_to_e4m3(0.1f), 0x1D);                // 0.1 = 1.6*2^-4 -> 1.625*2^-4
-  EXPECT_EQ(fmt::float_to_e4m3(15.5f), 0x58);               // tie 15 (0x57) / 16 (0x58) -> even
+  EXPECT_EQ(fmt::float_to_e4m3(0.1f), 0x1D);   // 0.1 = 1.6*2^-4 -> 1.625*2^-4
+  EXPECT_EQ(fmt::float_to_e4m3(15.5f), 0x58);  // tie 15 (0x57) / 16 (0x58) -> even
   EXPECT_EQ(fmt::float_to_e4m3(0.0f), 0x00);
   EXPECT_EQ(fmt::float_to_e4m3(-0.0f), 0x80);
 }
@@ -68,7 +68,7 @@ TEST(FormatE4M3, RoundsToNearestEven) {
 TEST(FormatE4M3, RoundsSubnormalsToNearestEven) {
   const float u = std::ldexp(1.0f, -9);  // subnormal step
   EXPECT_EQ(fmt::float_to_e4m3(u), 0x01);
-  EXPECT_EQ(fmt::float_to_e4m3(0.5f * u), 0x00);   // tie 0 / 1 -> 0
+  EXPECT_EQ(fmt::float_to_e4m3(0.5f * u), 0x00);  // tie 0 / 1 -> 0
   EXPECT_EQ(fmt::float_to_e4m3(0.51f * u), 0x01);
   EXPECT_EQ(fmt::float_to_e4m3(1.5f * u), 0x02);   // tie 1 / 2 -> 2
   EXPECT_EQ(fmt::float_to_e4m3(2.5f * u), 0x02);   // tie 2 / 3 -> 2
@@ -160,9 +160,15 @@ TEST(FormatLayout, Model1FooterOffsets) {
   };
   // row = t*576, scales = page_size*576 + t*8, computed by hand.
   const Case cases[] = {
-      {1, 0, 0, 576},          {2, 0, 0, 1152},           {2, 1, 576, 1160},
-      {64, 0, 0, 36864},       {64, 63, 36288, 37368},    {256, 0, 0, 147456},
-      {256, 255, 146880, 149496}, {53, 52, 29952, 30944}, {61, 30, 17280, 35376},
+      {1, 0, 0, 576},
+      {2, 0, 0, 1152},
+      {2, 1, 576, 1160},
+      {64, 0, 0, 36864},
+      {64, 63, 36288, 37368},
+      {256, 0, 0, 147456},
+      {256, 255, 146880, 149496},
+      {53, 52, 29952, 30944},
+      {61, 30, 17280, 35376},
       {69, 68, 39168, 40288},
   };
   for (const Case& c : cases) {
@@ -209,8 +215,7 @@ TEST(FormatKVCacheFromTensor, Model1EnginePaddedPages) {
 TEST(FormatKVCacheFromTensor, V32AndDense) {
   std::vector<uint8_t> buf(3 * 53 * 656);
   KVCache c;
-  TensorView v32 =
-      TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {3, 53, 1, 656});
+  TensorView v32 = TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {3, 53, 1, 656});
   ASSERT_TRUE(kv_cache_from_tensor(v32, "k_cache", &c).ok());
   EXPECT_EQ(c.format, KVFormat::kV32);
   EXPECT_EQ(c.page_stride, 53 * 656);
@@ -230,8 +235,8 @@ TEST(FormatKVCacheFromTensor, V32AndDense) {
   EXPECT_EQ(c.format, KVFormat::kFP16);
 
   // One page: the stride of dim 0 is meaningless, the page is exactly as long as its tokens.
-  TensorView one = TensorView::strided(buf.data(), DType::kUInt8, Device{}, {1, 7, 1, 584},
-                                       {0, 584, 584, 1});
+  TensorView one =
+      TensorView::strided(buf.data(), DType::kUInt8, Device{}, {1, 7, 1, 584}, {0, 584, 584, 1});
   ASSERT_TRUE(kv_cache_from_tensor(one, "k_cache", &c).ok());
   EXPECT_EQ(c.page_stride, 7 * 584);
 }
@@ -246,14 +251,12 @@ TEST(FormatKVCacheFromTensor, RejectsBadTensorsNamingTheArgument) {
     EXPECT_NE(s.message().find("extra_k_cache"), std::string::npos) << s.message();
     EXPECT_NE(s.message().find(must_contain), std::string::npos) << s.message();
   };
-  expect_error(TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {4, 64, 1, 580}),
-               "580");
+  expect_error(TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {4, 64, 1, 580}), "580");
   expect_error(TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {4, 32, 2, 584}),
                "h_kv");
   expect_error(TensorView::contiguous(buf.data(), DType::kFloat32, Device{}, {4, 64, 1, 584}),
                "float32");
-  expect_error(TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {64, 1, 584}),
-               "rank 3");
+  expect_error(TensorView::contiguous(buf.data(), DType::kUInt8, Device{}, {64, 1, 584}), "rank 3");
   expect_error(TensorView::contiguous(buf.data(), DType::kBFloat16, Device{}, {4, 64, 1, 512}),
                "512");
   // Tokens not packed inside a page.
