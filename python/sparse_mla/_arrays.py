@@ -1,0 +1,172 @@
+"""Array plumbing shared by the native API: which library an array comes from, how to allocate a
+result like it, and which CUDA stream to run on. No framework is imported unless the caller's
+arrays already come from it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+try:  # numpy has no bfloat16 of its own; ml_dtypes provides one when installed.
+    import ml_dtypes as _ml_dtypes
+
+    NUMPY_BF16: Any = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    NUMPY_BF16 = np.dtype(np.uint16)
+
+_NUMPY_DTYPES = {
+    "bfloat16": NUMPY_BF16,
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "int32": np.dtype(np.int32),
+    "uint8": np.dtype(np.uint8),
+}
+_RAW_VIEW = {1: np.uint8, 2: np.uint16}
+
+
+def framework(x: Any) -> str:
+    """'numpy', 'torch', 'cupy' or 'other' (anything else that speaks DLPack)."""
+    t = type(x)
+    if t is np.ndarray:
+        return "numpy"
+    module = t.__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("cupy"):
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "other"
+
+
+def native(x: Any) -> Any:
+    """The object handed to the extension: numpy arrays of ml_dtypes types (bfloat16,
+    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them."""
+    if type(x) is np.ndarray and x.dtype.kind == "V":
+        return x.view(_RAW_VIEW[x.dtype.itemsize])
+    return x
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_name(x: Any) -> str:
+    """Library dtype name of an array ('bfloat16', 'float16', 'float32', ...)."""
+    if framework(x) == "torch":
+        return str(x.dtype).replace("torch.", "")
+    name = np.dtype(x.dtype).name if framework(x) in ("numpy", "cupy") else str(x.dtype)
+    return "bfloat16" if name == "uint16" else name
+
+
+def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
+    """Uninitialised array of the library of `like`, on its device."""
+    fw = framework(like)
+    shape = tuple(int(s) for s in shape)
+    if fw == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+    if fw == "numpy":
+        return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+    if fw == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+    from . import _ext
+
+    device_type, device_id = like.__dlpack_device__()
+    return _ext.empty(list(shape), dtype, cuda=int(device_type) in (2, 13), device=int(device_id))
+
+
+def finish(like: Any, result: Any) -> Any:
+    """Hands a result allocated by `empty` to the caller: arrays of other libraries come back
+    through their namespace's from_dlpack when they have one."""
+    if framework(like) != "other" or framework(result) != "other":
+        return result
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is None:
+        return result
+    return namespace().from_dlpack(result)
+
+
+def transposed_12(x: Any) -> Any:
+    """A view of a 3-D array with dims 1 and 2 swapped (lse [b, s_q, h_q] -> [b, h_q, s_q])."""
+    fw = framework(x)
+    if fw == "torch":
+        return x.transpose(1, 2)
+    if fw in ("numpy", "cupy"):
+        return x.transpose(0, 2, 1)
+    return None
+
+
+def lse_like(like: Any, b: int, s_q: int, h_q: int) -> Any:
+    """lse [b, h_q, s_q] float32 as a view of a contiguous [b, s_q, h_q] buffer (FlashMLA's sparse
+    layout, strides (s_q*h_q, 1, h_q)); arrays of other libraries get a contiguous one."""
+    if framework(like) == "other":
+        return empty(like, (b, h_q, s_q), "float32")
+    return transposed_12(empty(like, (b, s_q, h_q), "float32"))
+
+
+def stack(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    fw = framework(first)
+    if fw == "torch":
+        import torch
+
+        return torch.stack(list(parts))
+    if fw == "cupy":
+        import cupy
+
+        return cupy.stack(list(parts))
+    if fw == "numpy":
+        return np.stack([native(p) for p in parts]).view(first.dtype)
+    raise TypeError("out_parts: a sequence of arrays must hold numpy, torch or cupy arrays; "
+                    f"got {type(first).__name__} (stack them into one [n, ...] array first)")
+
+
+def _torch_stream(device_index: int) -> int:
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def stream_for(x: Any, stream: Optional[Any]) -> int:
+    """The cudaStream_t (as an int) to run on: an explicit `stream` (an int, a torch.cuda.Stream or
+    a cupy stream), else the current stream of the array's library; 0 (the default stream)
+    otherwise and for host arrays."""
+    if stream is not None:
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr"):
+            handle = getattr(stream, attr, None)
+            if handle is not None:
+                return int(handle)
+        raise TypeError(f"stream: expected an int, a torch.cuda.Stream or a cupy stream, got "
+                        f"{type(stream).__name__}")
+    fw = framework(x)
+    if fw == "torch":
+        if x.device.type == "cuda":
+            return _torch_stream(x.device.index)
+        return 0
+    if fw == "cupy":
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+    return 0
+
+
+def torch_loaded() -> bool:
+    return "torch" in sys.modules
+
+
+def shape_of(x: Any) -> Tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
