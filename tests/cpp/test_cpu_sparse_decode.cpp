@@ -1,0 +1,411 @@
+// CPU sparse decode through the public API against the fp64 reference (spec sections 3 and 7):
+// awkward batch/page/head/topk sizes, both formats, extra caches, lengths, sinks, -1 and
+// out-of-range indices, NaN in every unreferenced slot, strided tensors, determinism; plus the
+// CPU micro-kernels of every ISA this machine runs against naive loops.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "reference/compare.h"
+#include "reference/reference.h"
+#include "reference/testdata.h"
+#include "sparse_mla/sparse_mla.h"
+#include "src/cpu/attention_common.h"
+#include "src/kv/format.h"
+
+namespace sparse_mla {
+namespace {
+
+const Options kCPU{Backend::kCPU, nullptr};
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Fresh data on every run; SPARSE_MLA_TEST_SEED replays a failing one (the seed is in the trace).
+uint64_t test_seed() {
+  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return std::random_device{}();
+}
+
+// Runs the CPU backend on a poisoned output and checks it against the reference.
+ref::CompareResult run_and_compare(ref::SparseCase& c) {
+  c.poison_outputs();
+  const Status st = sparse_decode(c.args(), Workspace{}, kCPU);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  const ref::RefOutput r = ref::sparse_decode_reference(c.args());
+  return ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+}
+
+struct SparseParam {
+  const char* name;
+  ref::SparseCaseConfig config;
+};
+
+ref::SparseCaseConfig base(KVFormat format, int64_t b, int64_t s_q, int64_t h_q, int64_t topk,
+                           int64_t page_size) {
+  ref::SparseCaseConfig c;
+  c.format = format;
+  c.b = b;
+  c.s_q = s_q;
+  c.h_q = h_q;
+  c.topk = topk;
+  c.page_size = page_size;
+  return c;
+}
+
+ref::SparseCaseConfig with_extra(ref::SparseCaseConfig c, int64_t extra_topk,
+                                 int64_t extra_page_size) {
+  c.use_extra = true;
+  c.extra_topk = extra_topk;
+  c.extra_page_size = extra_page_size;
+  return c;
+}
+
+std::vector<SparseParam> sparse_params() {
+  std::vector<SparseParam> v;
+  const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;
+  v.push_back({"b1_sq1_h1_page1_model1", base(M1, 1, 1, 1, 37, 1)});
+  v.push_back({"b1_sq1_h1_page1_v32", base(V32, 1, 1, 1, 37, 1)});
+  v.push_back({"b3_sq2_h8_page53_v32_extra_page2", with_extra(base(V32, 3, 2, 8, 100, 53), 70, 2)});
+  v.push_back(
+      {"b3_sq2_h8_page53_model1_extra_page2", with_extra(base(M1, 3, 2, 8, 100, 53), 70, 2)});
+  {
+    auto c = with_extra(base(M1, 3, 3, 16, 131, 61), 45, 69);
+    c.use_topk_length = c.use_extra_topk_length = true;
+    c.use_sink = true;
+    v.push_back({"b3_sq3_h16_page61_model1_extra_page69_lengths_sink", c});
+    c.format = V32;
+    v.push_back({"b3_sq3_h16_page61_v32_extra_page69_lengths_sink", c});
+  }
+  v.push_back(
+      {"b74_sq1_h8_page64_model1_extra_page256", with_extra(base(M1, 74, 1, 8, 77, 64), 33, 256)});
+  {
+    // DeepSeek-V4 C1 layout (main topk 128 on 256-token pages, extra on 64), fewer requests.
+    auto c = with_extra(base(M1, 2, 2, 64, 128, 256), 200, 64);
+    c.use_sink = true;
+    v.push_back({"b2_sq2_h64_page256_model1_c1_like_sink", c});
+  }
+  {
+    auto c = base(V32, 1, 2, 128, 65, 69);
+    c.use_sink = true;
+    v.push_back({"b1_sq2_h128_page69_v32_sink", c});
+  }
+  {
+    auto c = with_extra(base(M1, 2, 1, 128, 96, 2), 10, 1);
+    v.push_back({"b2_sq1_h128_page2_model1_extra_page1", c});
+  }
+  v.push_back({"b3_sq1_h16_topk1_page2_model1", base(M1, 3, 1, 16, 1, 2)});
+  {
+    auto c = with_extra(base(M1, 3, 2, 16, 90, 53), 41, 61);
+    c.q_layout = ref::Layout::kTransposed;
+    c.index.layout = ref::Layout::kPadded;
+    c.extra_index.layout = ref::Layout::kTransposed;
+    c.out_layout = ref::Layout::kPadded;
+    c.flash_lse_layout = true;
+    c.page_stride = ref::default_page_stride(M1, 53) + 48;
+    c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
+    v.push_back({"b3_sq2_h16_model1_strided_q_indices_out_lse_padded_pages", c});
+    c.format = V32;
+    c.page_stride = ref::default_page_stride(V32, 53) + 16;
+    c.extra_page_stride = ref::default_page_stride(V32, 61) + 64;
+    v.push_back({"b3_sq2_h16_v32_strided_q_indices_out_lse_padded_pages", c});
+  }
+  {
+    auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
+    c.index.invalid_fraction = 0.2;
+    c.index.out_of_range_fraction = 0.2;
+    c.extra_index.invalid_fraction = 0.3;
+    c.extra_index.out_of_range_fraction = 0.3;
+    v.push_back({"b3_sq2_h8_model1_minus1_and_out_of_range_indices", c});
+    c.format = V32;
+    v.push_back({"b3_sq2_h8_v32_minus1_and_out_of_range_indices", c});
+  }
+  {
+    // Requests share one pool of slots, so the same slot appears in several rows.
+    auto c = with_extra(base(M1, 3, 3, 8, 70, 53), 50, 2);
+    c.shared_slots = true;
+    c.use_sink = true;
+    v.push_back({"b3_sq3_h8_model1_shared_slots", c});
+  }
+  {
+    // A realistic softmax scale (d_qk^-0.5) instead of the accuracy protocol's d_qk^-0.55.
+    auto c = base(M1, 2, 1, 64, 200, 64);
+    c.softmax_scale = 1.0f / std::sqrt(512.0f);
+    v.push_back({"b2_sq1_h64_model1_default_scale", c});
+  }
+  return v;
+}
+
+class CpuSparseDecode : public ::testing::TestWithParam<SparseParam> {};
+
+TEST_P(CpuSparseDecode, MatchesReference) {
+  ref::SparseCaseConfig cfg = GetParam().config;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuSparseDecode, ::testing::ValuesIn(sparse_params()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the
+// entries past each length point at NaN slots or far out of the cache and must not be read.
+TEST(CpuSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
+  for (KVFormat format : {KVFormat::kModel1, KVFormat::kV32}) {
+    ref::SparseCaseConfig cfg = with_extra(base(format, 5, 2, 8, 75, 61), 40, 2);
+    cfg.use_sink = true;
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    c.topk_length = ref::make_int_tensor({0, 9, 75, 1000, 0});
+    c.extra_topk_length = ref::make_int_tensor({40, 0, 3, 0, -7});
+    // Entries beyond the lengths: huge or negative slots.
+    for (int64_t i = 0; i < 5; ++i) {
+      for (int64_t s = 0; s < 2; ++s) {
+        const int64_t len = static_cast<int64_t>(c.topk_length.get({i}));
+        for (int64_t k = std::max<int64_t>(len, 0); k < 75; ++k) {
+          c.indices.set({i, s, k}, k % 2 ? 2000000000.0 : -5.0);
+        }
+      }
+    }
+    ref::Rng rng(cfg.seed + 1);
+    c.refresh_cache(rng);
+    const ref::CompareResult res = run_and_compare(c);
+    EXPECT_TRUE(res.ok) << res.summary();
+    // Request 4 has no valid entry in either cache: out 0 and lse +inf, whatever the sink.
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t h = 0; h < 8; ++h) {
+        EXPECT_EQ(c.lse.get({4, h, s}), kInf);
+        EXPECT_EQ(c.out.get({4, s, h, 0}), 0.0);
+      }
+    }
+  }
+}
+
+TEST(CpuSparseDecodeCorners, AllIndicesMinusOne) {
+  ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 3, 2, 16, 70, 64), 20, 2);
+  cfg.use_sink = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  c.indices.fill(-1);
+  c.extra_indices.fill(-1);
+  c.attn_sink.set({0}, kInf);  // +inf sink on an empty row must not produce NaN
+  ref::Rng rng(cfg.seed + 1);
+  c.refresh_cache(rng);  // every slot is now NaN
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t h = 0; h < 16; ++h) {
+        EXPECT_EQ(c.lse.get({i, h, s}), kInf);
+        for (int64_t d = 0; d < kDV; d += 97) EXPECT_EQ(c.out.get({i, s, h, d}), 0.0);
+      }
+    }
+  }
+}
+
+// Sinks of +inf (out 0), -inf (no effect) and finite values, one per head; lse excludes the sink.
+TEST(CpuSparseDecodeCorners, SinkInfinitiesAndFinite) {
+  ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 3, 2, 8, 50, 53), 30, 64);
+  cfg.use_sink = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  const double sinks[8] = {kInf, -kInf, 0.0, 5.0, -3.0, 1e30, -1e30, 7.5};
+  for (int h = 0; h < 8; ++h) c.attn_sink.set({h}, sinks[h]);
+  ref::SparseCase no_sink = c;
+  no_sink.attn_sink = ref::HostTensor();
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+  const ref::CompareResult res2 = run_and_compare(no_sink);
+  EXPECT_TRUE(res2.ok) << res2.summary();
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t d = 0; d < kDV; d += 31) {
+        EXPECT_EQ(c.out.get({i, s, 0, d}), 0.0);                            // +inf sink
+        EXPECT_EQ(c.out.get({i, s, 1, d}), no_sink.out.get({i, s, 1, d}));  // -inf sink
+      }
+      for (int h = 0; h < 8; ++h) EXPECT_EQ(c.lse.get({i, h, s}), no_sink.lse.get({i, h, s}));
+    }
+  }
+}
+
+// A case small enough to compute by hand: two MODEL1 rows of constant values, both exactly
+// representable (0.5 = 256 * 2^-9, -0.25 = 256 * 2^-10), q = 2^-9 everywhere, scale 1.
+TEST(CpuSparseDecodeCorners, HandComputedTwoRows) {
+  ref::HostCache cache(ref::CacheConfig{KVFormat::kModel1, 2, 3, 1, 0});
+  std::vector<float> a(512, 0.5f), bvals(512, -0.25f);
+  ref::write_row(cache, 1, 0, a.data());
+  ref::write_row(cache, 4, 0, bvals.data());
+  ref::HostTensor q = ref::make_tensor(DType::kBFloat16, {1, 1, 2, 512});
+  q.fill(1.0 / 512);
+  ref::HostTensor idx = ref::make_int_tensor({1, -1, 4, 5000});
+  SparseDecodeArgs args;
+  args.q = q.view();
+  args.kv = cache.desc();
+  args.indices = TensorView::contiguous(idx.data(), DType::kInt32, Device{}, {1, 1, 4});
+  args.softmax_scale = 1.0f;
+  ref::HostTensor sink = ref::make_float_tensor({-std::numeric_limits<float>::infinity(), 1.0f});
+  args.attn_sink = sink.view();
+  ref::HostTensor out = ref::make_out(DType::kBFloat16, 1, 1, 2);
+  ref::HostTensor lse = ref::make_lse(1, 2, 1);
+  args.out = out.view();
+  args.lse = lse.view();
+  ASSERT_TRUE(sparse_decode(args, Workspace{}, kCPU).ok());
+
+  const double la = 0.5, lb = -0.25;  // 512 * 2^-9 * value
+  const double lse_expected = std::log(std::exp(la) + std::exp(lb));
+  const double o = (std::exp(la) * 0.5 + std::exp(lb) * -0.25) / (std::exp(la) + std::exp(lb));
+  const double sink_factor = 1.0 / (1.0 + std::exp(1.0 - lse_expected));
+  const ref::RefOutput r = ref::sparse_decode_reference(args);
+  for (int h = 0; h < 2; ++h) {
+    const double expect_out = h == 0 ? o : o * sink_factor;
+    EXPECT_NEAR(r.lse_at(0, 0, h), lse_expected, 1e-12);
+    EXPECT_NEAR(lse.get({0, h, 0}), lse_expected, 1e-6);
+    for (int d = 0; d < 512; d += 51) {
+      EXPECT_NEAR(r.out_at(0, 0, h, d), expect_out, 1e-12);
+      EXPECT_NEAR(out.get({0, 0, h, d}), expect_out, 2e-3);
+    }
+  }
+}
+
+// Same inputs give bitwise the same outputs, with 1, 2 or 3 threads.
+TEST(CpuSparseDecodeDeterminism, BitwiseAcrossRunsAndThreadCounts) {
+  ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 2, 1, 24, 150, 64), 90, 2);
+  cfg.use_sink = true;
+  cfg.use_topk_length = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  const int saved = omp_get_max_threads();
+  std::vector<std::vector<uint8_t>> outs;
+  for (int threads : {1, 2, 3, 2}) {
+    omp_set_num_threads(threads);
+    c.poison_outputs();
+    ASSERT_TRUE(sparse_decode(c.args(), Workspace{}, kCPU).ok());
+    std::vector<uint8_t> bytes(c.out.numel() * 2 + c.lse.numel() * 4);
+    std::memcpy(bytes.data(), c.out.data(), c.out.numel() * 2);
+    std::memcpy(bytes.data() + c.out.numel() * 2, c.lse.data(), c.lse.numel() * 4);
+    outs.push_back(std::move(bytes));
+  }
+  omp_set_num_threads(saved);
+  for (size_t k = 1; k < outs.size(); ++k) EXPECT_EQ(outs[k], outs[0]) << "run " << k;
+}
+
+// ---- CPU micro-kernels against naive loops, for each kernel set this machine runs ----
+class CpuKernels : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CpuKernels, QkPvExp2MatchNaiveLoops) {
+  const cpu::detail::Kernels* k = cpu::detail::kernels_named(GetParam());
+  if (k == nullptr) GTEST_SKIP() << GetParam() << " kernels are not available on this CPU";
+  ref::Rng rng(test_seed());
+  using cpu::detail::kRowPitch;
+  for (int M : {1, 5, 6, 7, 13}) {
+    for (int T : {1, 2, 3, 4, 17, 64}) {
+      const int d = 576, d_v = 512, ldq = 600, lds = 70, ldo = 520;
+      std::vector<float> q(M * ldq), rows(T * kRowPitch), s(M * lds, -7.f), o(M * ldo);
+      for (auto& x : q) x = static_cast<float>(rng.uniform(-1, 1));
+      for (auto& x : rows) x = static_cast<float>(rng.uniform(-1, 1));
+      for (auto& x : o) x = static_cast<float>(rng.uniform(-1, 1));
+      std::vector<float> o0 = o;
+      k->qk(q.data(), ldq, M, rows.data(), kRowPitch, T, d, s.data(), lds);
+      for (int m = 0; m < M; ++m) {
+        for (int t = 0; t < lds; ++t) {
+          if (t >= T) {
+            ASSERT_EQ(s[m * lds + t], -7.f) << "qk wrote past T";
+            continue;
+          }
+          double ref_dot = 0;
+          for (int x = 0; x < d; ++x) ref_dot += double(q[m * ldq + x]) * rows[t * kRowPitch + x];
+          ASSERT_NEAR(s[m * lds + t], ref_dot, 1e-4) << "m " << m << " t " << t;
+        }
+      }
+      k->pv(s.data(), lds, M, rows.data(), kRowPitch, T, d_v, o.data(), ldo);
+      for (int m = 0; m < M; ++m) {
+        for (int n = 0; n < ldo; ++n) {
+          double ref_o = o0[m * ldo + n];
+          if (n < d_v) {
+            for (int t = 0; t < T; ++t) ref_o += double(s[m * lds + t]) * rows[t * kRowPitch + n];
+          }
+          ASSERT_NEAR(o[m * ldo + n], ref_o, 1e-3 * (1 + std::fabs(ref_o)))
+              << "m " << m << " n " << n;
+        }
+      }
+    }
+  }
+  std::vector<float> x = {0.f,     -0.5f,  -1.f,    -3.3f,  -20.25f,
+                          -125.9f, -126.f, -126.5f, -200.f, -std::numeric_limits<float>::infinity(),
+                          0.49f,   -0.51f, -64.f};
+  std::vector<float> y = x;
+  k->exp2(y.data(), static_cast<int>(y.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = x[i] < -126.f ? 0.0 : std::exp2(double(x[i]));
+    EXPECT_NEAR(y[i], want, want * 5e-7) << "exp2(" << x[i] << ")";
+  }
+}
+
+// Row dequantization of every format against src/kv/format.h through the reference reader,
+// including every e4m3 code (subnormals, negative zero, NaN) and extreme scales.
+TEST_P(CpuKernels, DequantizeRowsExactly) {
+  const cpu::detail::Kernels* k = cpu::detail::kernels_named(GetParam());
+  if (k == nullptr) GTEST_SKIP() << GetParam() << " kernels are not available on this CPU";
+  ref::Rng rng(test_seed());
+  for (KVFormat format : {KVFormat::kModel1, KVFormat::kV32, KVFormat::kBF16, KVFormat::kFP16}) {
+    const int64_t heads = kv_format_is_fp8(format) ? 1 : 3;
+    ref::HostCache cache(ref::CacheConfig{format, 2, 5, heads, 0});
+    ref::fill_random(cache, rng);
+    // Raw bytes: all 256 e4m3 codes over the nope parts, scales of every kind.
+    for (int64_t slot = 0; slot < cache.num_slots(); ++slot) {
+      uint8_t* page = cache.page(slot / 5);
+      const int64_t t = slot % 5;
+      if (format == KVFormat::kModel1) {
+        for (int i = 0; i < 448; ++i) page[t * 576 + i] = static_cast<uint8_t>(slot * 37 + i);
+        const uint8_t scales[7] = {127, 0, 1, 254, 255, 100, 140};
+        for (int j = 0; j < 7; ++j) page[5 * 576 + t * 8 + j] = scales[(j + slot) % 7];
+      } else if (format == KVFormat::kV32) {
+        for (int i = 0; i < 512; ++i) page[t * 656 + i] = static_cast<uint8_t>(slot * 37 + i);
+        const float scales[4] = {1.f, 0x1p-20f, 0x1p10f, 0.375f};
+        std::memcpy(page + t * 656 + 512, scales, 16);
+      } else {
+        for (int i = 0; i < 576 * heads; ++i) {
+          const uint16_t h = static_cast<uint16_t>(rng.next());
+          std::memcpy(page + (t * heads * 576 + i) * 2, &h, 2);
+        }
+      }
+    }
+    std::vector<float> got(cpu::detail::kRowPitch);
+    std::vector<double> want(576);
+    const KVCache desc = cache.desc();
+    for (int64_t slot = 0; slot < cache.num_slots(); ++slot) {
+      for (int64_t h = 0; h < heads; ++h) {
+        k->dequant[static_cast<int>(format)](cache.page(slot / 5), 5, heads, slot % 5, h,
+                                             got.data());
+        ref::read_row(desc, slot, h, want.data());
+        for (int i = 0; i < kv_format_d_qk(format); ++i) {
+          if (std::isnan(want[i])) {
+            ASSERT_TRUE(std::isnan(got[i])) << kv_format_name(format) << " dim " << i;
+          } else {
+            // A correctly rounded fp32 product equals the exact product rounded to fp32.
+            ASSERT_EQ(static_cast<float>(want[i]), got[i])
+                << kv_format_name(format) << " slot " << slot << " head " << h << " dim " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, CpuKernels, ::testing::Values("generic", "avx2"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
+}  // namespace sparse_mla
