@@ -1,0 +1,305 @@
+"""torch CPU tensors: the native API, the flash_mla drop-in and the torch.library ops
+(torch.compile). Skipped when torch is not installed."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparse_mla as sm  # noqa: E402
+import sparse_mla.flash_mla as flash_mla  # noqa: E402
+from reference import (BF16, MODEL1, V32, D_QK, assert_close, bf16_bits_to_f64,  # noqa: E402
+                       dense_decode_ref, filled_cache, merge_ref, new_cache, random_indices,
+                       random_q, sm_scale, sparse_decode_ref, store, random_rows, to_f64)
+
+
+def t_bf16(bits: np.ndarray, device="cpu") -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).to(
+        device)
+
+
+def t_cache(cache, device="cpu") -> torch.Tensor:
+    """The cache as an engine holds it: a [num_pages, page_size, h_kv, bytes] view of padded
+    pages (page_stride = stride(0))."""
+    if cache.fmt in (MODEL1, V32):
+        flat = torch.from_numpy(cache.buf).to(device)
+        return flat.as_strided(tuple(cache.view.shape), (cache.page_stride, cache.view.shape[3],
+                                                         cache.view.shape[3], 1))
+    return t_bf16(cache.buf.view(np.uint16), device)
+
+
+def t(a: np.ndarray, device="cpu") -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def sparse_problem(seed, fmt=MODEL1, b=2, s_q=2, h_q=8, topk=50, ps=61, pages=3, extra=None,
+                   lengths=True, sink=True):
+    rng = np.random.default_rng(seed)
+    cache, filled = filled_cache(rng, fmt, pages, ps)
+    p = dict(q=random_q(rng, (b, s_q, h_q, D_QK[fmt])), cache=cache,
+             indices=random_indices(rng, filled, (b, s_q, topk), num_slots=cache.num_slots))
+    if lengths:
+        p["topk_length"] = rng.integers(0, topk + 1, b).astype(np.int32)
+    if sink:
+        p["attn_sink"] = rng.normal(0, 1, h_q).astype(np.float32)
+    if extra is not None:
+        etopk, eps, epages = extra
+        ecache, efilled = filled_cache(rng, fmt, epages, eps)
+        p["extra"] = ecache
+        p["extra_indices"] = random_indices(rng, efilled, (b, s_q, etopk))
+        if lengths:
+            p["extra_topk_length"] = rng.integers(0, etopk + 1, b).astype(np.int32)
+    return p
+
+
+def reference_of(p, scale=None):
+    return sparse_decode_ref(p["q"], p["cache"], p["indices"],
+                             topk_length=p.get("topk_length"), extra=p.get("extra"),
+                             extra_indices=p.get("extra_indices"),
+                             extra_topk_length=p.get("extra_topk_length"),
+                             attn_sink=p.get("attn_sink"), softmax_scale=scale)
+
+
+def torch_kwargs(p, device="cpu", fp8_dtype=False):
+    cache = t_cache(p["cache"], device)
+    if fp8_dtype:
+        cache = cache.view(torch.float8_e4m3fn)
+    kw = dict(q=t_bf16(p["q"], device), k_cache=cache, indices=t(p["indices"], device))
+    for name in ("topk_length", "attn_sink", "extra_indices", "extra_topk_length"):
+        if name in p:
+            kw[name] = t(p[name], device)
+    if "extra" in p:
+        kw["extra_k_cache"] = t_cache(p["extra"], device)
+    return kw
+
+
+# ------------------------------------------------------------------------- native API
+
+@pytest.mark.parametrize("fp8_dtype", [False, True])
+def test_native_sparse_decode_on_cpu_tensors(fp8_dtype):
+    p = sparse_problem(10, extra=(33, 2, 40))
+    kw = torch_kwargs(p, fp8_dtype=fp8_dtype)
+    out, lse = sm.sparse_decode(kw.pop("q"), kw.pop("k_cache"), kw.pop("indices"), **kw,
+                                softmax_scale=sm_scale(512))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert lse.stride() == (2 * 8, 1, 8)
+    assert_close(out, lse, *reference_of(p, sm_scale(512)))
+
+
+def test_native_dense_decode_and_merge_on_cpu_tensors():
+    rng = np.random.default_rng(11)
+    cache = new_cache(BF16, 6, 64)
+    cache.buf.view(np.uint16)[...] = random_q(rng, cache.buf.shape)  # every token written
+    bt = np.array([[3, 1, 0], [5, 2, 4]], np.int32)
+    seqlens = np.array([150, 64], np.int32)
+    q = random_q(rng, (2, 1, 4, 576))
+    out, lse = sm.dense_decode(t_bf16(q), t_cache(cache), t(bt), t(seqlens))
+    assert out.is_contiguous() and lse.is_contiguous() and lse.shape == (2, 4, 1)
+    assert_close(out, lse, *dense_decode_ref(bf16_bits_to_f64(q), cache, bt, seqlens),
+                 dense=True)
+    parts = torch.stack([out.float(), out.float()])
+    lses = torch.stack([lse.transpose(1, 2), lse.transpose(1, 2)])
+    merged, merged_lse = sm.merge_attention(parts, lses)
+    ref_out, ref_lse = merge_ref(parts.numpy(), lses.numpy())
+    np.testing.assert_allclose(merged.numpy(), ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(merged_lse.numpy(), ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_native_kv_tools_on_cpu_tensors():
+    rng = np.random.default_rng(12)
+    cache = new_cache(MODEL1, 2, 16)
+    kc = t_cache(cache)
+    rows = torch.from_numpy(random_rows(rng, 5, 512))
+    slots = torch.tensor([3, 17, -1, 0, 31], dtype=torch.int32)
+    sm.quantize_store(rows, slots, kc)
+    deq = sm.dequantize(kc, slots)
+    assert deq.dtype == torch.float32 and deq.shape == (5, 512)
+    assert torch.all(deq[2] == 0)
+    assert torch.allclose(deq[[0, 1, 3, 4]], rows[[0, 1, 3, 4]], atol=0.07, rtol=0.07)
+
+
+# ------------------------------------------------------------------- flash_mla drop-in
+
+@pytest.mark.parametrize("fmt,extra", [(MODEL1, (40, 2, 30)), (MODEL1, None), (V32, (20, 64, 2))])
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_flash_mla_sparse(fmt, extra, s_q):
+    p = sparse_problem(20 + s_q, fmt=fmt, s_q=s_q, h_q=16, extra=extra)
+    kw = torch_kwargs(p)
+    meta, none = flash_mla.get_mla_metadata()
+    assert none is None and not meta.have_initialized
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        kw["q"], kw["k_cache"], None, None, 512, meta, None, None, False, True,
+        indices=kw["indices"], attn_sink=kw["attn_sink"], extra_k_cache=kw.get("extra_k_cache"),
+        extra_indices_in_kvcache=kw.get("extra_indices"), topk_length=kw["topk_length"],
+        extra_topk_length=kw.get("extra_topk_length"))
+    b, h_q = 2, 16
+    assert out.shape == (b, s_q, h_q, 512) and out.is_contiguous()
+    assert lse.shape == (b, h_q, s_q) and lse.stride() == (s_q * h_q, 1, h_q)
+    assert meta.have_initialized and meta.config.h_q == h_q and meta.config.topk == 50
+    assert_close(out, lse, *reference_of(p))
+    # reuse across "layers": same plan, another layer's q
+    q2 = t_bf16(random_q(np.random.default_rng(99), (b, s_q, h_q, D_QK[fmt])))
+    out2, lse2 = flash_mla.flash_mla_with_kvcache(
+        q2, kw["k_cache"], None, None, 512, meta, is_fp8_kvcache=True, indices=kw["indices"],
+        attn_sink=kw["attn_sink"], extra_k_cache=kw.get("extra_k_cache"),
+        extra_indices_in_kvcache=kw.get("extra_indices"), topk_length=kw["topk_length"],
+        extra_topk_length=kw.get("extra_topk_length"))
+    p2 = dict(p, q=q2.view(torch.int16).numpy().view(np.uint16))
+    assert_close(out2, lse2, *reference_of(p2))
+
+
+def test_flash_mla_config_mismatch_is_a_clear_error():
+    p = sparse_problem(30, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    meta, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                     is_fp8_kvcache=True, indices=kw["indices"])
+    with pytest.raises(flash_mla.FlashMLAConfigError, match="planned for topk=50, called with "
+                       "topk=20"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                         is_fp8_kvcache=True, indices=kw["indices"][..., :20])
+    with pytest.raises(AssertionError, match="h_q=8"):  # FlashMLA raised AssertionError
+        flash_mla.flash_mla_with_kvcache(kw["q"][:, :, :4], kw["k_cache"], None, None, 512,
+                                         meta, is_fp8_kvcache=True, indices=kw["indices"])
+
+
+def test_flash_mla_argument_checks():
+    p = sparse_problem(31, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(ValueError, match="head_dim_v: 576"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 576, meta,
+                                         is_fp8_kvcache=True, indices=kw["indices"])
+    with pytest.raises(ValueError, match="causal"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                         causal=True, is_fp8_kvcache=True, indices=kw["indices"])
+    with pytest.raises(ValueError, match="is_fp8_kvcache"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                         indices=kw["indices"])
+    with pytest.raises(ValueError, match="block_table and cache_seqlens"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                         is_fp8_kvcache=True)
+    with pytest.raises(ValueError, match="attn_sink"):
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], torch.zeros(2, 1, dtype=torch.int32),
+                                         torch.zeros(2, dtype=torch.int32), 512, meta,
+                                         is_fp8_kvcache=True, attn_sink=torch.zeros(8))
+    assert not meta.have_initialized  # failed calls leave the metadata fresh
+    with pytest.raises(NotImplementedError):
+        flash_mla.flash_mla_sparse_fwd(kw["q"][0], kw["q"][0], kw["indices"][0], 0.1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_mla_dense(causal):
+    rng = np.random.default_rng(40)
+    cache = new_cache(BF16, 5, 64)
+    cache.buf.view(np.uint16)[...] = random_q(rng, cache.buf.shape)
+    bt = np.array([[4, 0], [1, 3]], np.int32)
+    seqlens = np.array([100, 7], np.int32)
+    q = random_q(rng, (2, 2, 16, 576))
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(t_bf16(q), t_cache(cache), t(bt), t(seqlens),
+                                                512, meta, causal=causal)
+    assert lse.is_contiguous() and lse.shape == (2, 16, 2)
+    assert_close(out, lse, *dense_decode_ref(bf16_bits_to_f64(q), cache, bt, seqlens,
+                                             causal=causal), dense=True)
+
+
+def test_flash_mla_explicit_metadata_form():
+    p = sparse_problem(41, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    cache_seqlens = torch.tensor([100, 50], dtype=torch.int32)
+    tile, num_splits = flash_mla.get_mla_metadata(cache_seqlens, 2 * 8, 1, 8, True, 50)
+    assert tile.dtype == torch.int32 and tile.dim() == 2 and tile.shape[1] == 8
+    assert num_splits.shape == (3,) and num_splits.dtype == torch.int32
+    out, lse = flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, cache_seqlens, 512,
+                                                tile, num_splits, is_fp8_kvcache=True,
+                                                indices=kw["indices"])
+    assert_close(out, lse, *reference_of(p))
+    meta, _ = flash_mla.get_mla_metadata(cache_seqlens=None)
+    assert isinstance(meta, flash_mla.FlashMLASchedMeta)
+
+
+# ------------------------------------------------------------------ torch.library ops
+
+def test_ops_are_registered_with_mutation_annotations():
+    schema = str(torch.ops.sparse_mla.sparse_decode_out.default._schema)
+    assert "Tensor(a!) out" in schema and "Tensor(b!) lse" in schema
+    assert "Tensor(a!) k_cache" in str(torch.ops.sparse_mla.quantize_store.default._schema)
+    assert "Tensor(a!) dst" in str(torch.ops.sparse_mla.repack_pages.default._schema)
+
+
+def test_opcheck_sparse_decode():
+    # opcheck clones inputs contiguously: page sizes whose unpadded stride is 16-byte aligned
+    p = sparse_problem(50, ps=64, extra=(9, 2, 12))
+    kw = torch_kwargs(p)
+    args = (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["extra_k_cache"],
+            kw["extra_indices"], kw["extra_topk_length"], kw["attn_sink"], 0.05)
+    torch.library.opcheck(torch.ops.sparse_mla.sparse_decode.default, args)
+    out = torch.empty(2, 2, 8, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 8, 2)
+    torch.library.opcheck(torch.ops.sparse_mla.sparse_decode_out.default, args,
+                          dict(out=out, lse=lse))
+
+
+def test_opcheck_dense_merge_and_kv_tools():
+    rng = np.random.default_rng(51)
+    cache = new_cache(MODEL1, 3, 16)
+    store(cache, np.arange(48), random_rows(rng, 48, 512))
+    q = t_bf16(random_q(rng, (2, 1, 4, 512)))
+    bt = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    seqlens = torch.tensor([20, 31], dtype=torch.int32)
+    ops = torch.ops.sparse_mla
+    torch.library.opcheck(ops.dense_decode.default, (q, t_cache(cache), bt, seqlens, True))
+    parts = torch.randn(2, 2, 1, 4, 64)
+    lses = torch.randn(2, 2, 1, 4)
+    torch.library.opcheck(ops.merge_attention.default, (parts, lses, torch.randn(4)))
+    rows = torch.from_numpy(random_rows(rng, 3, 512))
+    slots = torch.tensor([1, 5, 40], dtype=torch.int32)
+    torch.library.opcheck(ops.quantize_store.default, (rows, slots, t_cache(cache).clone()))
+    torch.library.opcheck(ops.dequantize.default, (t_cache(cache), slots))
+    dst = t_cache(new_cache(MODEL1, 4, 16))
+    torch.library.opcheck(ops.repack_pages.default,
+                          (t_cache(cache), dst, bt, torch.tensor([[3, 2], [1, 0]], dtype=torch.int32),
+                           seqlens))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    p = sparse_problem(60, ps=64, extra=(9, 2, 12))
+    kw = torch_kwargs(p)
+    rng = np.random.default_rng(61)
+    rows = torch.from_numpy(random_rows(rng, 4, 512))
+    slots = torch.tensor([0, 3, 7, -1], dtype=torch.int32)
+
+    def step(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length,
+             attn_sink, rows, slots):
+        sm.quantize_store(rows, slots, extra_k_cache)
+        out, lse = sm.sparse_decode(q, k_cache, indices, topk_length=topk_length,
+                                    extra_k_cache=extra_k_cache, extra_indices=extra_indices,
+                                    extra_topk_length=extra_topk_length, attn_sink=attn_sink)
+        merged, merged_lse = sm.merge_attention(out.float()[None], lse.transpose(1, 2)[None])
+        return merged * 2, merged_lse
+
+    args = (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["extra_k_cache"],
+            kw["extra_indices"], kw["extra_topk_length"], kw["attn_sink"], rows, slots)
+    eager_args = [a.clone() for a in args]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got, got_lse = compiled(*args)
+    want, want_lse = step(*eager_args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
+    torch.testing.assert_close(args[4], eager_args[4], rtol=0, atol=0)  # the in-place store
+
+
+def test_torch_compile_flash_mla():
+    p = sparse_problem(62)
+    kw = torch_kwargs(p)
+
+    def layer(q, k_cache, indices, topk_length, attn_sink):
+        meta, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta,
+                                                is_fp8_kvcache=True, indices=indices,
+                                                topk_length=topk_length, attn_sink=attn_sink)
+
+    args = (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["attn_sink"])
+    out, lse = torch.compile(layer, backend="aot_eager")(*args)
+    assert_close(out, lse, *reference_of(p))
