@@ -518,7 +518,7 @@ struct Runner {
 #if SPARSE_MLA_WITH_CUDA
   DeviceMirror* mirror = nullptr;
   cudaStream_t stream = nullptr;
-  KVCache dev_window, dev_c4, dev_c128;
+  KVCache dev_window{}, dev_c4{}, dev_c128{};
 #endif
 
   LayerResult run(const Layer& layer, uint64_t layer_seed) {
