@@ -30,6 +30,7 @@
 #if SPARSE_MLA_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
+#include <omp.h>
 
 namespace sparse_mla::tools {
 namespace {
@@ -706,7 +707,7 @@ Status resolve_backend(const Config& cfg, Backend* chosen, std::string* device_d
 #endif
   }
   *chosen = want;
-  *device_desc = "cpu";
+  *device_desc = "the host, " + std::to_string(omp_get_max_threads()) + " OpenMP threads";
 #if SPARSE_MLA_WITH_CUDA
   if (want == Backend::kCUDA) {
     cudaDeviceProp prop{};
@@ -868,21 +869,21 @@ int run_command(int argc, char** argv) {
       {"C4", &st.c4, &st.c4_idx, nullptr},
       {"C128", &st.c128, &st.c128_idx, &st.c128_len},
   };
-  std::printf("\n%-7s %-7s %10s %8s %5s %12s %10s %9s %9s %9s %-16s %s\n", "layer", "backend",
-              "attended", "topk", "extra", "time_us", "GFLOP/s", "max_err", "cos_diff", "lse_err",
-              "verified", "result");
+  std::printf("\n%-7s %-7s %10s %5s %7s %12s %10s %9s %9s %9s %-16s %s\n", "layer", "backend",
+              "attended", "win_k", "extra_k", "time_us", "GFLOP/s", "max_err", "cos_diff",
+              "lse_err", "verified", "result");
   std::fflush(stdout);
   uint64_t layer_seed = cfg.seed * 1000003 + 17;
   for (const Layer& layer : layers) {
     LayerResult r = runner.run(layer, layer_seed++);
     const int64_t extra_topk = layer.extra_idx ? layer.extra_idx->shape()[2] : 0;
     if (!r.error.empty()) {
-      std::printf("%-7s %-7s %10lld %8lld %5lld %12s %10s %9s %9s %9s %-16s FAIL: %s\n",
+      std::printf("%-7s %-7s %10lld %5lld %7lld %12s %10s %9s %9s %9s %-16s FAIL: %s\n",
                   r.name.c_str(), backend_name(backend), static_cast<long long>(r.attended),
                   static_cast<long long>(kWindow), static_cast<long long>(extra_topk), "-", "-",
                   "-", "-", "-", "-", r.error.c_str());
     } else {
-      std::printf("%-7s %-7s %10lld %8lld %5lld %12.1f %10.1f %9.2e %9.2e %9.2e %-16s %s%s\n",
+      std::printf("%-7s %-7s %10lld %5lld %7lld %12.1f %10.1f %9.2e %9.2e %9.2e %-16s %s%s\n",
                   r.name.c_str(), backend_name(backend), static_cast<long long>(r.attended),
                   static_cast<long long>(kWindow), static_cast<long long>(extra_topk),
                   r.time.median_us, r.gflops, r.cmp.max_abs_err, r.cmp.cos_diff, r.cmp.max_lse_err,
