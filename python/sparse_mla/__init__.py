@@ -20,7 +20,6 @@ registers the operations with torch.library (imported automatically when torch i
 
 from __future__ import annotations
 
-import sys
 from typing import Any, List, NamedTuple, Optional, Sequence, Union
 
 from . import _arrays, _ext
@@ -375,7 +374,8 @@ def repack_pages(src, dst, src_block_table, dst_block_table, seqlens, *,
 
 # torch integration: register the torch.library ops when torch is already loaded (importing
 # sparse_mla.ops later registers them too).
-if _arrays.torch_loaded():  # pragma: no branch
-    from . import ops as _ops_module  # noqa: F401  (sets _ops and _is_compiling)
+if _arrays.torch_loaded():
+    import importlib
 
-del sys
+    importlib.import_module(".ops", __name__)  # sets _ops and _is_compiling
+
