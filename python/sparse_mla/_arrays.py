@@ -43,9 +43,12 @@ def framework(x: Any) -> str:
 
 def native(x: Any) -> Any:
     """The object handed to the extension: numpy arrays of ml_dtypes types (bfloat16,
-    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them."""
-    if type(x) is np.ndarray and x.dtype.kind == "V":
-        return x.view(_RAW_VIEW[x.dtype.itemsize])
+    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them; torch tensors
+    that require grad travel detached (the ops are not differentiable)."""
+    if type(x) is np.ndarray:
+        return x.view(_RAW_VIEW[x.dtype.itemsize]) if x.dtype.kind == "V" else x
+    if getattr(x, "requires_grad", False):  # torch refuses to export those through DLPack
+        return x.detach()
     return x
 
 

@@ -244,3 +244,12 @@ def test_torch_compile_flash_mla():
     args = (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["attn_sink"])
     out, lse = torch.compile(layer, backend="aot_eager")(*args)
     assert_close(out, lse, *reference_of(p))
+
+
+def test_tensors_that_require_grad_are_accepted():
+    p = sparse_problem(70, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    q = kw["q"].float().requires_grad_().bfloat16()
+    out, lse = sm.sparse_decode(q, kw["k_cache"], kw["indices"])
+    assert not out.requires_grad
+    assert_close(out, lse, *reference_of(p))
