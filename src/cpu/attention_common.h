@@ -42,10 +42,10 @@ struct Kernels {
   DequantFn dequant[4];  // indexed by KVFormat
 };
 
-// The fastest kernel set this CPU runs, decided once; SPARSE_MLA_CPU_ISA=generic forces the
-// portable one.
+// The fastest kernel set this CPU runs, decided once; SPARSE_MLA_CPU_ISA=generic|avx2|avx512
+// picks one (when the CPU has it).
 const Kernels& kernels();
-// A named set ("generic", "avx2") or nullptr when this CPU or build lacks it (for tests).
+// A named set ("generic", "avx2", "avx512") or nullptr when this CPU or build lacks it.
 const Kernels* kernels_named(const char* name);
 
 // Float to fp16 bits, round to nearest even (NaN stays NaN, overflow gives inf).

@@ -1,15 +1,18 @@
-// Micro-kernels of the CPU attention ops: a portable set and an AVX2+FMA set compiled with
-// function-level target attributes, chosen at run time (no global -march flag).
+// Micro-kernels of the CPU attention ops: a portable set, an AVX2+FMA set and an AVX-512F set
+// compiled with function-level target attributes, chosen at run time (no global -march flag).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "src/cpu/attention_common.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SPARSE_MLA_CPU_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -303,18 +306,134 @@ const Kernels kAvx2 = {
     {dequant_model1_avx2, dequant_v32_avx2, dequant_dense_avx2<false>, dequant_dense_avx2<true>},
 };
 
+// ---- AVX-512F: the same blocking with 32 zmm registers (qk and pv; the rest is AVX2) ----
+#define SPARSE_MLA_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// MR rows x TR tokens: 24 accumulators, 6 key vectors and 1 query vector at MR = 4, TR = 6.
+template <int MR, int TR>
+SPARSE_MLA_AVX512 void qk_block512(const float* q, int64_t ldq, const float* k, int64_t ldk, int d,
+                                   float* s, int64_t lds) {
+  __m512 acc[MR][TR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 6
+    for (int t = 0; t < TR; ++t) acc[m][t] = _mm512_setzero_ps();
+  }
+  for (int x = 0; x < d; x += 16) {
+    __m512 kv[TR];
+#pragma GCC unroll 6
+    for (int t = 0; t < TR; ++t) kv[t] = _mm512_loadu_ps(k + t * ldk + x);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512 qv = _mm512_loadu_ps(q + m * ldq + x);
+#pragma GCC unroll 6
+      for (int t = 0; t < TR; ++t) acc[m][t] = _mm512_fmadd_ps(qv, kv[t], acc[m][t]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < TR; ++t) {
+      // Fixed reduction order: the two halves added, then the AVX2 horizontal sum.
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[m][t]);
+      s[m * lds + t] = hsum(_mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8)));
+    }
+  }
+}
+
+template <int MR, int... TR>
+constexpr std::array<QkBlock, sizeof...(TR)> qk512_row(std::integer_sequence<int, TR...>) {
+  return {qk_block512<MR, TR + 1>...};
+}
+constexpr std::array<std::array<QkBlock, 6>, 4> kQk512Blocks = {
+    qk512_row<1>(std::make_integer_sequence<int, 6>{}),
+    qk512_row<2>(std::make_integer_sequence<int, 6>{}),
+    qk512_row<3>(std::make_integer_sequence<int, 6>{}),
+    qk512_row<4>(std::make_integer_sequence<int, 6>{}),
+};
+
+SPARSE_MLA_AVX512 void qk_avx512(const float* q, int64_t ldq, int M, const float* k, int64_t ldk,
+                                 int T, int d, float* s, int64_t lds) {
+  if (d % 16 != 0) return qk_avx2(q, ldq, M, k, ldk, T, d, s, lds);
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const int mr = std::min(4, M - m0);
+    for (int t0 = 0; t0 < T; t0 += 6) {
+      const int tr = std::min(6, T - t0);
+      kQk512Blocks[mr - 1][tr - 1](q + m0 * ldq, ldq, k + t0 * ldk, ldk, d, s + m0 * lds + t0, lds);
+    }
+  }
+}
+
+// MR rows x 64 columns of O: 24 accumulators, 4 value vectors and 1 broadcast at MR = 6.
+template <int MR>
+SPARSE_MLA_AVX512 void pv_block512(const float* p, int64_t ldp, const float* v, int64_t ldv, int T,
+                                   float* o, int64_t ldo) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_loadu_ps(o + m * ldo + 16 * j);
+  }
+  for (int t = 0; t < T; ++t) {
+    __m512 vv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) vv[j] = _mm512_loadu_ps(v + t * ldv + 16 * j);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m512 pm = _mm512_set1_ps(p[m * ldp + t]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(pm, vv[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + m * ldo + 16 * j, acc[m][j]);
+  }
+}
+
+constexpr PvBlock kPv512Blocks[6] = {pv_block512<1>, pv_block512<2>, pv_block512<3>,
+                                     pv_block512<4>, pv_block512<5>, pv_block512<6>};
+
+SPARSE_MLA_AVX512 void pv_avx512(const float* p, int64_t ldp, int M, const float* v, int64_t ldv,
+                                 int T, int d_v, float* o, int64_t ldo) {
+  if (d_v % 64 != 0) return pv_avx2(p, ldp, M, v, ldv, T, d_v, o, ldo);
+  for (int n0 = 0; n0 < d_v; n0 += 64) {
+    for (int m0 = 0; m0 < M; m0 += 6) {
+      const int mr = std::min(6, M - m0);
+      kPv512Blocks[mr - 1](p + m0 * ldp, ldp, v + n0, ldv, T, o + m0 * ldo + n0, ldo);
+    }
+  }
+}
+
+const Kernels kAvx512 = {
+    "avx512",
+    qk_avx512,
+    pv_avx512,
+    exp2_avx2,
+    {dequant_model1_avx2, dequant_v32_avx2, dequant_dense_avx2<false>, dequant_dense_avx2<true>},
+};
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  // F16C from CPUID: clang before 16 does not accept "f16c" in __builtin_cpu_supports.
+  unsigned eax, ebx, ecx, edx;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
+
+bool cpu_has_avx512() { return cpu_has_avx2() && __builtin_cpu_supports("avx512f"); }
 #endif  // SPARSE_MLA_CPU_X86
 
 const Kernels& pick_kernels() {
   const char* isa = std::getenv("SPARSE_MLA_CPU_ISA");
-  if (isa != nullptr && std::strcmp(isa, "generic") == 0) return kGeneric;
-  const Kernels* best = kernels_named("avx2");
-  return best != nullptr ? *best : kGeneric;
+  if (isa != nullptr && *isa != '\0') {
+    const Kernels* named = kernels_named(isa);
+    if (named != nullptr) return *named;
+  }
+  for (const char* name : {"avx512", "avx2"}) {
+    if (const Kernels* k = kernels_named(name)) return *k;
+  }
+  return kGeneric;
 }
 
 }  // namespace
@@ -323,6 +442,7 @@ const Kernels* kernels_named(const char* name) {
   if (std::strcmp(name, "generic") == 0) return &kGeneric;
 #if SPARSE_MLA_CPU_X86
   if (std::strcmp(name, "avx2") == 0 && cpu_has_avx2()) return &kAvx2;
+  if (std::strcmp(name, "avx512") == 0 && cpu_has_avx512()) return &kAvx512;
 #endif
   return nullptr;
 }

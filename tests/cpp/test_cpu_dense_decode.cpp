@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -95,6 +96,8 @@ std::vector<DenseParam> dense_params() {
   }
   return v;
 }
+
+void PrintTo(const DenseParam& p, std::ostream* os) { *os << p.name; }
 
 class CpuDenseDecode : public ::testing::TestWithParam<DenseParam> {};
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -67,6 +68,8 @@ std::vector<MergeParam> merge_params() {
       {"n2_f32_h128_dv576", cfg(2, 1, 2, 128, 576, F32, BF16, 0.1, false)},
   };
 }
+
+void PrintTo(const MergeParam& p, std::ostream* os) { *os << p.name; }
 
 class CpuMerge : public ::testing::TestWithParam<MergeParam> {};
 

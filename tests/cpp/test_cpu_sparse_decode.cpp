@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -141,6 +142,8 @@ std::vector<SparseParam> sparse_params() {
   }
   return v;
 }
+
+void PrintTo(const SparseParam& p, std::ostream* os) { *os << p.name; }
 
 class CpuSparseDecode : public ::testing::TestWithParam<SparseParam> {};
 
@@ -404,7 +407,7 @@ TEST_P(CpuKernels, DequantizeRowsExactly) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, CpuKernels, ::testing::Values("generic", "avx2"),
+INSTANTIATE_TEST_SUITE_P(Isa, CpuKernels, ::testing::Values("generic", "avx2", "avx512"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
