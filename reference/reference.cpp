@@ -40,11 +40,12 @@ void attend(const double* q, int d_qk, const std::vector<Row>& rows,
   const double lse = m + std::log(sum);
   double factor = 1;
   if (sink) factor = 1.0 / (1.0 + std::exp(*sink - lse));
-  for (int64_t d = 0; d < r.d_v; ++d) {
-    double acc = 0;
-    for (size_t j = 0; j < used.size(); ++j) acc += std::exp(logits[j] - lse) * used[j]->k[d];
-    r.out_at(i, s, h, d) = acc * factor;
+  std::vector<double> acc(r.d_v, 0.0);
+  for (size_t j = 0; j < used.size(); ++j) {
+    const double w = std::exp(logits[j] - lse);
+    for (int64_t d = 0; d < r.d_v; ++d) acc[d] += w * used[j]->k[d];
   }
+  for (int64_t d = 0; d < r.d_v; ++d) r.out_at(i, s, h, d) = acc[d] * factor;
   r.lse_at(i, s, h) = lse;
 }
 

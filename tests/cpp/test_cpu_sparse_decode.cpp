@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -302,6 +304,38 @@ TEST(CpuSparseDecodeDeterminism, BitwiseAcrossRunsAndThreadCounts) {
   }
   omp_set_num_threads(saved);
   for (size_t k = 1; k < outs.size(); ++k) EXPECT_EQ(outs[k], outs[0]) << "run " << k;
+}
+
+// targets.md C1 at b = 8 (s_q 2, h_q 64, main topk 128 on 256-token pages, extra topk 512 on
+// 64-token pages, requests of 16384 + 4096 slots): checked against the reference, and timed for
+// the log (best of 5; FLOPs = 2 * h_q * attended * (d_qk + d_v) per query token). No assertion on
+// time: the machine is shared.
+TEST(CpuSparseDecodePerf, C1Batch8AccuracyAndThroughput) {
+  ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 8, 2, 64, 128, 256), 512, 64);
+  cfg.slots_per_request = 16384;
+  cfg.extra_slots_per_request = 4096;
+  cfg.softmax_scale = 1.0f / std::sqrt(512.0f);
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  double best_ms = 1e30;
+  for (int run = 0; run < 5; ++run) {
+    c.poison_outputs();
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status st = sparse_decode(c.args(), Workspace{}, kCPU);
+    const auto t1 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  const double flops = 2.0 * 64 * (128 + 512) * (512 + 512) * 8 * 2;
+  std::printf(
+      "[ perf     ] C1 b=8 s_q=2 h_q=64 MODEL1: %.2f ms, %.1f GFLOP/s (%s kernels, %d threads)\n",
+      best_ms, flops / best_ms * 1e-6, cpu::detail::kernels().name, omp_get_max_threads());
+  RecordProperty("c1_b8_gflops", std::to_string(flops / best_ms * 1e-6));
+  const ref::RefOutput r = ref::sparse_decode_reference(c.args());
+  const ref::CompareResult res =
+      ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+  EXPECT_TRUE(res.ok) << res.summary();
 }
 
 // ---- CPU micro-kernels against naive loops, for each kernel set this machine runs ----
