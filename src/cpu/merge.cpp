@@ -14,16 +14,27 @@ namespace sparse_mla::cpu {
 
 namespace {
 
-float load_part(const TensorView& t, int64_t c, int64_t i, int64_t s, int64_t h, int64_t d) {
-  if (t.dtype == DType::kFloat32) return *detail::element<const float>(t, c, i, s, h, d);
-  return fmt::bf16_to_float(*detail::element<const uint16_t>(t, c, i, s, h, d));
+// acc[d] += w * part[d] over one row of a part (fp32 or bf16, element stride `stride`).
+void accumulate(const TensorView& parts, const void* row, int64_t stride, int d_v, float w,
+                float* acc) {
+  if (parts.dtype == DType::kFloat32) {
+    const float* x = static_cast<const float*>(row);
+    for (int d = 0; d < d_v; ++d) acc[d] += w * x[d * stride];
+  } else {
+    const uint16_t* x = static_cast<const uint16_t*>(row);
+    for (int d = 0; d < d_v; ++d) acc[d] += w * fmt::bf16_to_float(x[d * stride]);
+  }
 }
 
-void store_out(const TensorView& t, int64_t i, int64_t s, int64_t h, int64_t d, float v) {
-  if (t.dtype == DType::kFloat32) {
-    *detail::element<float>(t, i, s, h, d) = v;
+void store_row(const TensorView& out, int64_t i, int64_t s, int64_t h, int d_v, const float* v,
+               float fill, bool use_fill) {
+  const int64_t stride = out.strides[3];
+  if (out.dtype == DType::kFloat32) {
+    float* o = detail::element<float>(out, i, s, h);
+    for (int d = 0; d < d_v; ++d) o[d * stride] = use_fill ? fill : v[d];
   } else {
-    *detail::element<uint16_t>(t, i, s, h, d) = fmt::float_to_bf16(v);
+    uint16_t* o = detail::element<uint16_t>(out, i, s, h);
+    for (int d = 0; d < d_v; ++d) o[d * stride] = fmt::float_to_bf16(use_fill ? fill : v[d]);
   }
 }
 
@@ -47,42 +58,46 @@ Status merge_attention(const MergeArgs& args, const MergeProblem& p) {
       bool any = false, has_nan = false;
       for (int64_t c = 0; c < p.n; ++c) {
         const double l = *detail::element<const float>(args.lse_parts, c, i, s, h);
+        empty[c] = std::isinf(l);
+        weight[c] = l;
         if (std::isnan(l)) has_nan = true;
-        if (std::isinf(l)) continue;
+        if (empty[c]) continue;
         mx = std::max(mx, l);
         any = true;
       }
       if (has_nan) {  // a NaN lse is propagated rather than silently dropped
-        for (int64_t d = 0; d < p.d_v; ++d) store_out(args.out, i, s, h, d, nan);
+        store_row(args.out, i, s, h, p.d_v, nullptr, nan, true);
         *lse_out = nan;
         continue;
       }
       if (!any) {
-        for (int64_t d = 0; d < p.d_v; ++d) store_out(args.out, i, s, h, d, 0.f);
+        store_row(args.out, i, s, h, p.d_v, nullptr, 0.f, true);
         *lse_out = std::numeric_limits<float>::infinity();
         continue;
       }
       double sum = 0;
       for (int64_t c = 0; c < p.n; ++c) {
-        const double l = *detail::element<const float>(args.lse_parts, c, i, s, h);
-        empty[c] = std::isinf(l);
-        weight[c] = empty[c] ? 0.0 : std::exp(l - mx);
+        weight[c] = empty[c] ? 0.0 : std::exp(weight[c] - mx);
         sum += weight[c];
       }
       const double lse = mx + std::log(sum);
       double factor = 1.0 / sum;
       if (args.attn_sink) {
-        factor /=
-            1.0 +
-            std::exp(static_cast<double>(*detail::element<const float>(*args.attn_sink, h)) - lse);
+        const double sink = *detail::element<const float>(*args.attn_sink, h);
+        factor /= 1.0 + std::exp(sink - lse);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0; c < p.n; ++c) {
         if (empty[c]) continue;  // its values are never read
-        const float w = static_cast<float>(weight[c] * factor);
-        for (int64_t d = 0; d < p.d_v; ++d) acc[d] += w * load_part(args.out_parts, c, i, s, h, d);
+        const void* part =
+            args.out_parts.dtype == DType::kFloat32
+                ? static_cast<const void*>(detail::element<const float>(args.out_parts, c, i, s, h))
+                : static_cast<const void*>(
+                      detail::element<const uint16_t>(args.out_parts, c, i, s, h));
+        accumulate(args.out_parts, part, args.out_parts.strides[4], p.d_v,
+                   static_cast<float>(weight[c] * factor), acc.data());
       }
-      for (int64_t d = 0; d < p.d_v; ++d) store_out(args.out, i, s, h, d, acc[d]);
+      store_row(args.out, i, s, h, p.d_v, acc.data(), 0.f, false);
       *lse_out = static_cast<float>(lse);
     }
   }
