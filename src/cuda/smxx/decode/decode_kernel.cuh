@@ -1,0 +1,504 @@
+// The portable decode kernel (sm_80+): sparse (index lists over one or two FP8 caches) and dense
+// (block tables over bf16/fp16/FP8 pages) decode share this mainloop; they differ only in where a
+// tile's token rows come from (load_raw / resolve) and in which query rows share a token list.
+// Tile constants and the shared-memory plan: config.h. Work split: params.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "src/cuda/common/fp8.cuh"
+#include "src/cuda/common/ptx.cuh"
+#include "src/cuda/smxx/decode/config.h"
+#include "src/cuda/smxx/decode/params.h"
+#include "src/kv/format.h"
+
+namespace sparse_mla::cuda::smxx::decode {
+
+// A gathered token: its data row and (MODEL1) footer scales; row == nullptr means "no token".
+struct RowRef {
+  const uint8_t* row;
+  const uint8_t* scale;
+};
+
+// 16-byte chunk `chunk` of row `row` in a tile whose rows hold `row_chunks` chunks plus one chunk
+// of padding: the odd pitch puts the 8 rows an ldmatrix reads in 8 different bank groups, and
+// unlike an XOR swizzle keeps every address "lane base + constant", so the unrolled loops need
+// no per-step address registers.
+__device__ __forceinline__ int swz(int row, int chunk, int row_chunks) {
+  return row * (row_chunks + 1) + chunk;
+}
+
+// The raw value behind token `pos` of a pair: a slot (sparse) or a page id (dense); -1 past the end.
+__device__ __forceinline__ int load_raw(const DecodeParams& p, const PairInfo& info, int i, int sq,
+                                        int pos) {
+  if (pos >= info.len) return -1;
+  if (p.dense) {
+    return p.block_table[i * p.block_table_stride[0] +
+                         static_cast<int64_t>(pos / p.kv.page_size) * p.block_table_stride[1]];
+  }
+  if (pos < info.n_main) {
+    return p.indices[i * p.indices_stride[0] + sq * p.indices_stride[1] +
+                     static_cast<int64_t>(pos) * p.indices_stride[2]];
+  }
+  return p.extra_indices[i * p.extra_indices_stride[0] + sq * p.extra_indices_stride[1] +
+                         static_cast<int64_t>(pos - info.n_main) * p.extra_indices_stride[2]];
+}
+
+// Row pointers of token `pos`; values outside the cache are never turned into an address.
+template <Fmt F>
+__device__ __forceinline__ RowRef resolve(const DecodeParams& p, const PairInfo& info, int grp,
+                                          int pos, int raw) {
+  RowRef r{nullptr, nullptr};
+  if (raw < 0 || pos >= info.len) return r;
+  const bool main = p.dense || pos < info.n_main;
+  const CacheRef& c = main ? p.kv : p.extra;
+  int64_t page, off;
+  if (p.dense) {
+    if (raw >= c.num_pages) return r;
+    page = raw;
+    off = pos % c.page_size;
+  } else {
+    if (raw >= c.num_slots) return r;
+    page = raw / c.page_size;
+    off = raw % c.page_size;
+  }
+  const uint8_t* pg = c.base + page * c.page_stride;
+  if constexpr (F == Fmt::kModel1) {
+    r.row = pg + off * kModel1RowBytes;
+    r.scale = pg + fmt::model1_scale_offset(c.page_size, off);
+  } else if constexpr (F == Fmt::kV32) {
+    r.row = pg + off * kV32BytesPerToken;
+  } else {
+    r.row = pg + (off * p.h_kv + grp) * (kDenseHeadDim * 2);
+  }
+  return r;
+}
+
+template <Fmt F, TileCfg C>
+struct DecodeCta {
+  using Cfg = Config<F, C>;
+  using Tr = FormatTraits<F>;
+  static constexpr int kT = Cfg::kT, kHB = Cfg::kHB, kDW = Cfg::kDW, kPD = Cfg::kPD;
+  static constexpr int kThreads = Cfg::kThreads;
+  static constexpr int kTC = Cfg::kTileChunks;
+  static constexpr bool kHalf = Tr::kFP16;
+
+  const DecodeParams& p;
+  uint8_t* smem;
+  int tid, lane, warp, mt, dw;
+  int grp, row0, nrows;
+
+  __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
+  __device__ uint8_t* tile_smem() const { return smem + Cfg::kTileOff; }
+  __device__ uint8_t* stage_smem(int t) const {
+    return smem + Cfg::kStageOff + (t % Cfg::kStages) * Cfg::kStageBytes;
+  }
+  __device__ float4* red_smem() const { return reinterpret_cast<float4*>(smem + Cfg::kRedOff); }
+  __device__ RowRef* rows_smem(int t) const {
+    return reinterpret_cast<RowRef*>(smem + Cfg::kRowInfoOff) + (t % kRing) * kT;
+  }
+  __device__ uint32_t* mask_smem() const { return reinterpret_cast<uint32_t*>(smem + Cfg::kMaskOff); }
+
+  // Query row `lr` of the CTA's group -> (query token, head).
+  __device__ void row_coords(int lr, int sq, int* s, int* head) const {
+    if (p.dense) {
+      *s = lr / p.hpk;
+      *head = grp * p.hpk + lr % p.hpk;
+    } else {
+      *s = sq;
+      *head = lr;
+    }
+  }
+
+  __device__ void load_q(int i, int sq) {
+    for (int u = tid; u < kHB * kTC; u += kThreads) {
+      const int r = u / kTC, c = u % kTC;
+      uint4* dst = reinterpret_cast<uint4*>(q_smem()) + swz(r, c, kTC);
+      if (r < nrows) {
+        int s, head;
+        row_coords(row0 + r, sq, &s, &head);
+        const uint16_t* src = p.q + i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2];
+        ptx::cp_async_16(dst, src + c * 8);
+      } else {
+        *dst = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
+  // Gathers tile t's rows into its stage (FP8: raw rows + scales; dense: the swizzled tile).
+  __device__ void issue_tile(int t) {
+    uint8_t* st = stage_smem(t);
+    const RowRef* rows = rows_smem(t);
+    constexpr int kUnits = kT * Tr::kRowChunks;
+    for (int u = tid; u < kUnits; u += kThreads) {
+      const int j = u / Tr::kRowChunks, c = u % Tr::kRowChunks;
+      const uint8_t* row = rows[j].row;
+      uint8_t* dst = Tr::kFP8 ? st + j * Tr::kRowBytes + c * 16 : st + swz(j, c, kTC) * 16;
+      if (row != nullptr) {
+        ptx::cp_async_16(dst, row + c * 16);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // zeros: never NaN
+      }
+    }
+    if constexpr (Tr::kScaleBytes > 0) {
+      for (int j = tid; j < kT; j += kThreads) {
+        uint8_t* dst = st + Cfg::kStageRowBytes + j * Tr::kScaleBytes;
+        const uint8_t* scale = rows[j].scale;
+        if (scale != nullptr) {
+          ptx::cp_async_8(dst, scale);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
+        }
+      }
+    }
+  }
+
+  // FP8 stage -> bf16 tile (scales applied; rope copied).
+  __device__ void convert_tile(int t) {
+    const uint8_t* st = stage_smem(t);
+    uint4* tile = reinterpret_cast<uint4*>(tile_smem());
+    constexpr int kUnits = kT * Tr::kConvUnits;
+#pragma unroll 2
+    for (int u = tid; u < kUnits; u += kThreads) {
+      const int j = u / Tr::kConvUnits, c = u % Tr::kConvUnits;
+      const uint8_t* row = st + j * Tr::kRowBytes;
+      if (c < Tr::kFP8Chunks) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
+        float scale;
+        if constexpr (F == Fmt::kModel1) {
+          scale = fmt::ue8m0_to_float(st[Cfg::kStageRowBytes + j * 8 + c / 4]);
+        } else {
+          scale = *reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset + 4 * (c / 8));
+        }
+        uint4 lo, hi;
+        e4m3x16_to_bf16(raw, scale, lo, hi);
+        tile[swz(j, 2 * c, kTC)] = lo;
+        tile[swz(j, 2 * c + 1, kTC)] = hi;
+      } else {
+        // rope: MODEL1 chunks 28..35 -> tile chunks 56..63; V32 chunks 33..40 -> 64..71
+        const int src = F == Fmt::kModel1 ? c : c + 1;
+        const int dst = F == Fmt::kModel1 ? c + 28 : c + 32;
+        tile[swz(j, dst, kTC)] = *reinterpret_cast<const uint4*>(row + src * 16);
+      }
+    }
+  }
+
+  // Resolves the rows of tile t (tokens of pair `info` from segment tile k0) into the rings;
+  // called by whole warps, lanes j < kT own token j.
+  __device__ void store_tile_rows(int t, int j, bool active, RowRef ref) {
+    const uint32_t bal = __ballot_sync(0xffffffffu, active && ref.row != nullptr);
+    if (!active) return;
+    rows_smem(t)[j] = ref;
+    if (j == 0) {
+      const uint32_t bits = kT == 32 ? bal : (bal >> (lane & 16)) & ((1u << (kT % 32)) - 1u);
+      mask_smem()[t % kRing] = bits;
+    }
+  }
+
+  __device__ void segment(int pr, int k0, int k1, const PairInfo& info) {
+    const int i = p.dense ? pr : pr / p.s_q;
+    const int sq = p.dense ? 0 : pr % p.s_q;
+    const int n = k1 - k0;
+
+    // ---- prologue: Q, rows of tiles 0..kPD, copies of tiles 0..kPD-1 ----
+    load_q(i, sq);
+    constexpr int kPrologueThreads = ((kPD + 1) * kT + 31) / 32 * 32;
+    if (tid < kPrologueThreads) {
+      const int k = tid / kT, j = tid % kT;
+      const bool active = k <= kPD;
+      RowRef ref{nullptr, nullptr};
+      if (active && k < n) {
+        const int pos = (k0 + k) * kT + j;
+        ref = resolve<F>(p, info, grp, pos, load_raw(p, info, i, sq, pos));
+      }
+      store_tile_rows(k, j, active, ref);
+    }
+    int pending = -1;  // raw value of this lane's token in the next tile to resolve
+    if (warp == 0 && lane < kT && kPD + 1 < n) {
+      pending = load_raw(p, info, i, sq, (k0 + kPD + 1) * kT + lane);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kPD; ++k) {
+      if (k < n) issue_tile(k);
+      ptx::cp_async_commit();
+    }
+
+    // Row limits of this thread's two rows (causal dense decode), for the mask.
+    int lim[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      lim[rr] = 0x7fffffff;
+      if (p.dense && p.causal) {
+        const int lr = row0 + mt * 16 + (lane >> 2) + 8 * rr;
+        lim[rr] = info.len - p.s_q + lr / p.hpk;
+      }
+    }
+
+    float o[Cfg::kPVTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kPVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.f, 0.f};
+
+    for (int t = 0; t < n; ++t) {
+      ptx::cp_async_wait<kPD - 1>();
+      __syncthreads();
+      if constexpr (Tr::kFP8) convert_tile(t);
+      if (warp == 0) {
+        const int tn = t + kPD + 1;
+        RowRef ref{nullptr, nullptr};
+        if (lane < kT && tn < n) ref = resolve<F>(p, info, grp, (k0 + tn) * kT + lane, pending);
+        store_tile_rows(tn, lane, lane < kT, ref);
+        pending = -1;
+        if (lane < kT && tn + 1 < n) pending = load_raw(p, info, i, sq, (k0 + tn + 1) * kT + lane);
+      }
+      if constexpr (Tr::kFP8) __syncthreads();
+      if (t + kPD < n) issue_tile(t + kPD);
+      ptx::cp_async_commit();
+      compute_tile(t, (k0 + t) * kT, lim, o, m, l);
+    }
+
+    epilogue(pr, i, sq, info, o, m, l);
+    __syncthreads();  // Q / staging / rings are reused by the next segment
+  }
+
+  __device__ void compute_tile(int t, int pos0, const int (&lim)[2], float (&o)[Cfg::kPVTiles][4],
+                               float (&m)[2], float (&l)[2]) {
+    const uint8_t* kt = Tr::kFP8 ? tile_smem() : stage_smem(t);
+    const uint8_t* qs = q_smem();
+
+    // S partial over this warp's d_qk slice.
+    float s[Cfg::kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < Cfg::kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kQKSteps; ++ks) {
+      const int c0 = (dw * Cfg::kQKSlice + ks * 16) / 8;
+      uint32_t a[4];
+      ptx::ldmatrix_x4(a, qs + swz(mt * 16 + (lane & 15), c0 + (lane >> 4), kTC) * 16);
+#pragma unroll
+      for (int nb = 0; nb < kT / 16; ++nb) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4(
+            b, kt + swz(nb * 16 + (lane & 7) + ((lane >> 4) << 3), c0 + ((lane >> 3) & 1), kTC) * 16);
+        ptx::mma_16816<kHalf>(s[2 * nb], a, b[0], b[1]);
+        ptx::mma_16816<kHalf>(s[2 * nb + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Sum the kDW partials of this row group in a fixed order: identical S in every warp.
+    float4* red = red_smem() + (mt * kDW) * Cfg::kSTiles * 32 + lane;
+#pragma unroll
+    for (int j = 0; j < Cfg::kSTiles; ++j) {
+      red[(dw * Cfg::kSTiles + j) * 32] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+    }
+    ptx::named_barrier(1 + mt, kDW * 32);
+#pragma unroll
+    for (int j = 0; j < Cfg::kSTiles; ++j) {
+      float4 acc = dw == 0 ? make_float4(s[j][0], s[j][1], s[j][2], s[j][3]) : red[j * 32];
+#pragma unroll
+      for (int d = 1; d < kDW; ++d) {
+        const float4 v =
+            d == dw ? make_float4(s[j][0], s[j][1], s[j][2], s[j][3]) : red[(d * Cfg::kSTiles + j) * 32];
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+      s[j][0] = acc.x;
+      s[j][1] = acc.y;
+      s[j][2] = acc.z;
+      s[j][3] = acc.w;
+    }
+
+    // Mask (invalid tokens, causal limit) and scale to base 2.
+    const uint32_t vmask = mask_smem()[t % kRing];
+#pragma unroll
+    for (int j = 0; j < Cfg::kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+        const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+        s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+      }
+    }
+
+    // Online softmax; a row that has seen no valid token yet keeps m = -inf and uses 0 as its
+    // reference so that exp2 never sees inf - inf.
+    float alpha[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < Cfg::kSTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * rr], s[j][2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[rr], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[rr] = ptx::exp2_approx(m[rr] - m_use);
+      m[rr] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < Cfg::kSTiles; ++j) {
+        s[j][2 * rr] = ptx::exp2_approx(s[j][2 * rr] - m_use);
+        s[j][2 * rr + 1] = ptx::exp2_approx(s[j][2 * rr + 1] - m_use);
+        sum += s[j][2 * rr] + s[j][2 * rr + 1];
+      }
+      l[rr] = l[rr] * alpha[rr] + sum;
+    }
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
+      o[nt][0] *= alpha[0];
+      o[nt][1] *= alpha[0];
+      o[nt][2] *= alpha[1];
+      o[nt][3] *= alpha[1];
+    }
+
+    // O += P V over this warp's output slice; V = the first 512 dims of the tile.
+#pragma unroll
+    for (int kk = 0; kk < kT / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = ptx::pack2<kHalf>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = ptx::pack2<kHalf>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = ptx::pack2<kHalf>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = ptx::pack2<kHalf>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const int token = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+      for (int nd = 0; nd < Cfg::kPVSlice / 16; ++nd) {
+        const int c0 = (dw * Cfg::kPVSlice + nd * 16) / 8;
+        uint32_t b[4];
+        ptx::ldmatrix_x4_trans(b, kt + swz(token, c0 + (lane >> 4), kTC) * 16);
+        ptx::mma_16816<kHalf>(o[2 * nd], a, b[0], b[1]);
+        ptx::mma_16816<kHalf>(o[2 * nd + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  __device__ void epilogue(int pr, int i, int sq, const PairInfo& info,
+                           float (&o)[Cfg::kPVTiles][4], const float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    }
+    const int r_base = mt * 16 + (lane >> 2);  // this thread's rows: r_base, r_base + 8
+
+    if (info.nsplit <= 1) {
+      // Final output: normalize, apply the sink, stage as 16-bit rows in the Q region (only
+      // this row group's warps read those Q rows, and they are past the last S = Q K^T).
+      float factor[2], lse[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_base + 8 * rr;
+        if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf, sink or not
+          factor[rr] = 0.f;
+          lse[rr] = INFINITY;
+        } else {
+          lse[rr] = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
+          float f = 1.f / l[rr];
+          if (p.sink != nullptr && r < nrows) {
+            int s, head;
+            row_coords(row0 + r, sq, &s, &head);
+            f *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse[rr]));
+          }
+          factor[rr] = f;
+        }
+      }
+      uint8_t* os = q_smem();
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
+        const int col = dw * Cfg::kPVSlice + nt * 8 + 2 * (lane & 3);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = r_base + 8 * rr;
+          *reinterpret_cast<uint32_t*>(os + swz(r, col / 8, kTC) * 16 + (col % 8) * 2) =
+              ptx::pack2<kHalf>(o[nt][2 * rr] * factor[rr], o[nt][2 * rr + 1] * factor[rr]);
+        }
+      }
+      if (dw == 0 && (lane & 3) == 0) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = r_base + 8 * rr;
+          if (r < nrows) {
+            int s, head;
+            row_coords(row0 + r, sq, &s, &head);
+            p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse[rr];
+          }
+        }
+      }
+      __syncthreads();
+      constexpr int kOutChunks = kDV / 8;
+      for (int u = tid; u < kHB * kOutChunks; u += kThreads) {
+        const int r = u / kOutChunks, c = u % kOutChunks;
+        if (r < nrows) {
+          int s, head;
+          row_coords(row0 + r, sq, &s, &head);
+          uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2];
+          *reinterpret_cast<uint4*>(dst + c * 8) =
+              *reinterpret_cast<const uint4*>(os + swz(r, c, kTC) * 16);
+        }
+      }
+    } else {
+      // Partial output of a split pair: normalized fp32 rows + base-2 lse for the combine.
+      const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
+      if (slot < 0 || slot >= p.max_slots) return;
+      const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_base + 8 * rr;
+        if (r >= nrows) continue;
+        const bool empty = l[rr] == 0.f;
+        const float inv = empty ? 0.f : 1.f / l[rr];
+        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
+        float* dst = p.part_out + prow * kDV;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
+          const int col = dw * Cfg::kPVSlice + nt * 8 + 2 * (lane & 3);
+          *reinterpret_cast<float2*>(dst + col) =
+              make_float2(o[nt][2 * rr] * inv, o[nt][2 * rr + 1] * inv);
+        }
+        if (dw == 0 && (lane & 3) == 0) {
+          p.part_lse[prow] = empty ? -INFINITY : m[rr] + log2f(l[rr]);
+        }
+      }
+    }
+  }
+};
+
+template <Fmt F, TileCfg C>
+__global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
+    decode_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  using Cta = DecodeCta<F, C>;
+  Cta cta{p, smem};
+  cta.tid = threadIdx.x;
+  cta.lane = threadIdx.x & 31;
+  cta.warp = threadIdx.x >> 5;
+  cta.mt = cta.warp / Cta::kDW;
+  cta.dw = cta.warp % Cta::kDW;
+  cta.grp = 0;
+  int rb = blockIdx.y;
+  if (p.dense) {
+    cta.grp = blockIdx.y / p.blocks_per_group;
+    rb = blockIdx.y % p.blocks_per_group;
+  }
+  cta.row0 = rb * Cta::kHB;
+  cta.nrows = min(Cta::kHB, p.rows_per_group - cta.row0);
+
+  const PartStart begin = p.parts[blockIdx.x];
+  const PartStart end = p.parts[blockIdx.x + 1];
+  int pr = begin.pair, k0 = begin.tile;
+  while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && k0 < end.tile))) {
+    const PairInfo info = p.pairs[pr];
+    const int ntiles = info.len > 0 ? (info.len + Cta::kT - 1) / Cta::kT : 1;
+    const int k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
+    if (k0 < k1) cta.segment(pr, k0, k1, info);
+    ++pr;
+    k0 = 0;
+  }
+}
+
+}  // namespace sparse_mla::cuda::smxx::decode

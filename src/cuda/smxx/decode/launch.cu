@@ -1,0 +1,191 @@
+// Tile-configuration choice, workspace sizing and the attention-kernel launch.
+#include "src/cuda/smxx/decode/launch.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "src/cuda/common/check.h"
+
+namespace sparse_mla::cuda::smxx::decode {
+namespace {
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int max_smem_optin = 0;
+};
+
+// Runs f with `device` current, restoring the caller's device.
+template <typename F>
+Status on_device(int device, F&& f) {
+  int old = 0;
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&old));
+  if (old != device) SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  Status st = f();
+  if (old != device) {
+    const cudaError_t err = cudaSetDevice(old);
+    if (st.ok() && err != cudaSuccess) return cuda_status(err, "cudaSetDevice (restore)");
+  }
+  return st;
+}
+
+Status device_info(int device, DeviceInfo* info) {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) {
+    *info = it->second;
+    return Status::Ok();
+  }
+  DeviceInfo d;
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&d.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cache[device] = d;
+  *info = d;
+  return Status::Ok();
+}
+
+// Raises the kernel's dynamic shared-memory limit on `device` and returns its CTAs per SM. Cached:
+// the attribute and the occupancy never change for a (device, kernel).
+Status prepare_kernel(const KernelEntry& k, int device, int* ctas_per_sm) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(device, k.fn);
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    *ctas_per_sm = it->second;
+    return Status::Ok();
+  }
+  int n = 0;
+  SPARSE_MLA_RETURN_IF_ERROR(on_device(device, [&]() -> Status {
+    SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem_bytes));
+    SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k.fn, k.threads, k.smem_bytes));
+    return Status::Ok();
+  }));
+  n = std::max(n, 1);
+  cache[key] = n;
+  *ctas_per_sm = n;
+  return Status::Ok();
+}
+
+const char* fmt_name(Fmt f) {
+  switch (f) {
+    case Fmt::kModel1: return "MODEL1";
+    case Fmt::kV32: return "V32";
+    case Fmt::kBF16: return "BF16";
+    case Fmt::kFP16: return "FP16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
+  switch (fmt) {
+    case Fmt::kModel1: return kernel_entry_model1(cfg);
+    case Fmt::kV32: return kernel_entry_v32(cfg);
+    case Fmt::kBF16: return kernel_entry_bf16(cfg);
+    case Fmt::kFP16: return kernel_entry_fp16(cfg);
+  }
+  return KernelEntry{};
+}
+
+Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
+                         int64_t rows_per_pair, int device, DecodeShape* shape) {
+  DeviceInfo dev;
+  SPARSE_MLA_RETURN_IF_ERROR(device_info(device, &dev));
+
+  // Fewest padded rows first (a CTA's K tile is dequantized once for all its rows), then the
+  // largest tiles that fit the device's shared memory.
+  const TileCfg big[] = {TileCfg::kH64T32, TileCfg::kH32T32, TileCfg::kH16T32, TileCfg::kH16T16};
+  const TileCfg mid[] = {TileCfg::kH32T32, TileCfg::kH16T32, TileCfg::kH16T16};
+  const TileCfg small[] = {TileCfg::kH16T32, TileCfg::kH16T16};
+  const TileCfg* order = rows_per_group > 32 ? big : (rows_per_group > 16 ? mid : small);
+  int n_order = rows_per_group > 32 ? 4 : (rows_per_group > 16 ? 3 : 2);
+  // Test hook: SPARSE_MLA_DECODE_TILES=64x32|32x32|16x32|16x16 forces one configuration, so that
+  // tests on a big GPU also run the tiles that only small-shared-memory GPUs would pick.
+  TileCfg forced[1];
+  if (const char* env = std::getenv("SPARSE_MLA_DECODE_TILES")) {
+    const std::string v(env);
+    const char* names[] = {"64x32", "32x32", "16x32", "16x16"};
+    for (int c = 0; c < kNumTileCfgs; ++c) {
+      if (v == names[c]) {
+        forced[0] = static_cast<TileCfg>(c);
+        order = forced;
+        n_order = 1;
+      }
+    }
+  }
+  KernelEntry k;
+  TileCfg cfg = TileCfg::kH16T16;
+  for (int c = 0; c < n_order; ++c) {
+    const KernelEntry e = kernel_entry(fmt, order[c]);
+    if (e.fn != nullptr && e.smem_bytes <= dev.max_smem_optin) {
+      k = e;
+      cfg = order[c];
+      break;
+    }
+  }
+  if (k.fn == nullptr) {
+    return Status::Unsupported(std::string("cuda decode: no ") + fmt_name(fmt) +
+                               " tile configuration fits the " +
+                               std::to_string(dev.max_smem_optin) +
+                               " bytes of shared memory per block of device " +
+                               std::to_string(device));
+  }
+  int ctas_per_sm = 1;
+  SPARSE_MLA_RETURN_IF_ERROR(prepare_kernel(k, device, &ctas_per_sm));
+
+  DecodeShape s;
+  s.fmt = fmt;
+  s.cfg = cfg;
+  s.kernel = k;
+  s.rows_per_group = static_cast<int>(rows_per_group);
+  s.blocks_per_group = static_cast<int>((rows_per_group + k.rows_per_cta - 1) / k.rows_per_cta);
+  s.groups = static_cast<int>(groups);
+  s.num_pairs = static_cast<int>(num_pairs);
+  s.rows_per_pair = static_cast<int>(rows_per_pair);
+  const int64_t row_blocks = static_cast<int64_t>(s.blocks_per_group) * groups;
+  if (row_blocks > 65535) {
+    return Status::Unsupported("cuda decode: " + std::to_string(row_blocks) +
+                               " row blocks of " + std::to_string(k.rows_per_cta) +
+                               " query rows per token list, at most 65535 supported");
+  }
+  // One wave of CTAs over all row blocks.
+  const int64_t slots = static_cast<int64_t>(dev.sm_count) * ctas_per_sm;
+  s.num_parts = static_cast<int>(std::max<int64_t>(1, slots / row_blocks));
+  s.max_slots = static_cast<int>(
+      std::min<int64_t>(2 * static_cast<int64_t>(s.num_parts), num_pairs + s.num_parts));
+  s.plan = plan_layout(s.num_parts, num_pairs);
+  s.plan_bytes = static_cast<size_t>(s.plan.bytes);
+  const int64_t part_rows = static_cast<int64_t>(s.max_slots) * rows_per_pair;
+  s.part_lse_offset = part_rows * kDV * static_cast<int64_t>(sizeof(float));
+  s.scratch_bytes =
+      static_cast<size_t>(s.part_lse_offset + part_rows * static_cast<int64_t>(sizeof(float)));
+  *shape = s;
+  return Status::Ok();
+}
+
+Status launch_decode(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(shape.num_parts),
+                  static_cast<unsigned>(shape.blocks_per_group * shape.groups));
+  void* args[] = {const_cast<DecodeParams*>(&params)};
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(shape.kernel.fn, grid,
+                                                   dim3(shape.kernel.threads), args,
+                                                   static_cast<size_t>(shape.kernel.smem_bytes),
+                                                   stream));
+  return check_launch("sparse_mla decode kernel");
+}
+
+}  // namespace sparse_mla::cuda::smxx::decode

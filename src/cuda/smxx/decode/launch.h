@@ -1,0 +1,65 @@
+// Host side of the portable decode: picking a tile configuration for the device, sizing the plan
+// and scratch buffers, and launching planner, attention and combine kernels on a stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "sparse_mla/status.h"
+#include "src/cuda/smxx/decode/config.h"
+#include "src/cuda/smxx/decode/params.h"
+
+namespace sparse_mla::cuda::smxx::decode {
+
+// One compiled attention kernel (instantiations/*.cu).
+struct KernelEntry {
+  const void* fn = nullptr;
+  int threads = 0;
+  int smem_bytes = 0;
+  int tile_tokens = 0;
+  int rows_per_cta = 0;
+};
+KernelEntry kernel_entry(Fmt fmt, TileCfg cfg);
+KernelEntry kernel_entry_model1(TileCfg cfg);
+KernelEntry kernel_entry_v32(TileCfg cfg);
+KernelEntry kernel_entry_bf16(TileCfg cfg);
+KernelEntry kernel_entry_fp16(TileCfg cfg);
+
+// Everything a decode call derives from shapes and the device: the same inputs always give the
+// same shape, so plan() and run() agree without storing anything.
+struct DecodeShape {
+  Fmt fmt = Fmt::kModel1;
+  TileCfg cfg = TileCfg::kH64T32;
+  KernelEntry kernel;
+  int rows_per_group = 0;    // query rows sharing a token list
+  int blocks_per_group = 0;  // CTAs (row blocks) per group
+  int groups = 1;            // dense: h_kv
+  int num_pairs = 0;
+  int rows_per_pair = 0;
+  int num_parts = 0;  // grid.x
+  int max_slots = 0;
+  PlanLayout plan;
+  int64_t part_lse_offset = 0;  // in scratch, after the fp32 partial outputs
+  size_t plan_bytes = 0;
+  size_t scratch_bytes = 0;
+};
+
+// rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams.
+Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
+                         int64_t rows_per_pair, int device, DecodeShape* shape);
+
+// Cost-line constants of the planner (in tiles): a pair's fixed cost (Q load, pipeline fill,
+// epilogue) and the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row,
+// so cutting below a few tiles costs more traffic than it saves).
+inline constexpr int kOverheadTokens = 64;
+inline constexpr int kMinTokensPerPart = 64;
+
+Status launch_plan(const PlanParams& params, cudaStream_t stream);
+Status launch_decode(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream);
+// Merges the partials of split pairs into out / lse (no-op CTAs for unsplit pairs).
+Status launch_combine(const DecodeShape& shape, const DecodeParams& params, bool fp16_out,
+                      cudaStream_t stream);
+
+}  // namespace sparse_mla::cuda::smxx::decode

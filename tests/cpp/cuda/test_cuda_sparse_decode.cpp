@@ -1,0 +1,317 @@
+// CUDA sparse decode (portable sm_80+ kernels) through the public API against the fp64 reference
+// and the CPU backend (spec sections 3 and 7): both formats, awkward batch / head / topk / page
+// sizes, extra caches, lengths, sinks, -1 and out-of-range indices, NaN in every unreferenced slot,
+// strided tensors, long lists split over many CTAs, every tile configuration, determinism.
+#include <gtest/gtest.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "tests/cpp/cuda/decode_util.h"
+
+namespace sparse_mla {
+namespace {
+
+using decode_test::DeviceSparse;
+using decode_test::ScopedTiles;
+using decode_test::test_seed;
+using gpu_test::Stream;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;
+
+ref::SparseCaseConfig base(KVFormat format, int64_t b, int64_t s_q, int64_t h_q, int64_t topk,
+                           int64_t page_size) {
+  ref::SparseCaseConfig c;
+  c.format = format;
+  c.b = b;
+  c.s_q = s_q;
+  c.h_q = h_q;
+  c.topk = topk;
+  c.page_size = page_size;
+  return c;
+}
+
+ref::SparseCaseConfig with_extra(ref::SparseCaseConfig c, int64_t extra_topk,
+                                 int64_t extra_page_size) {
+  c.use_extra = true;
+  c.extra_topk = extra_topk;
+  c.extra_page_size = extra_page_size;
+  return c;
+}
+
+// Runs the CUDA backend on `c` (outputs land in c.out / c.lse) and checks it against the
+// reference and against the CPU backend.
+void check_case(ref::SparseCase& c) {
+  Stream stream;
+  DeviceSparse d(c);
+  ASSERT_TRUE(decode_test::run_sparse(d.args, stream));
+  c.poison_outputs();
+  d.download(c);
+  const ref::RefOutput r = ref::sparse_decode_reference(c.args());
+  const ref::CompareResult res =
+      ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+  EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
+
+  ref::SparseCase cpu = c;
+  cpu.poison_outputs();
+  const Status st = sparse_decode(cpu.args(), Workspace{}, Options{Backend::kCPU, nullptr});
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ref::Tolerance tol = ref::Tolerance::sparse();
+  tol.lse_abs *= 2;  // both sides carry their own error against the reference
+  tol.lse_rel *= 2;
+  const ref::CompareResult res_cpu = ref::compare_outputs(
+      c.out.view(), c.lse.view(), decode_test::as_ref(cpu.out, cpu.lse), tol);
+  EXPECT_TRUE(res_cpu.ok) << "vs CPU backend: " << res_cpu.summary();
+}
+
+struct SparseParam {
+  const char* name;
+  ref::SparseCaseConfig config;
+  const char* tiles = nullptr;  // forced tile configuration, nullptr = the kernel's choice
+};
+
+std::vector<SparseParam> sparse_params() {
+  std::vector<SparseParam> v;
+  v.push_back({"b1_sq1_h1_topk37_page1_model1", base(M1, 1, 1, 1, 37, 1)});
+  v.push_back({"b1_sq1_h1_topk37_page1_v32", base(V32, 1, 1, 1, 37, 1)});
+  v.push_back({"b3_sq2_h8_page53_v32_extra_page2", with_extra(base(V32, 3, 2, 8, 100, 53), 70, 2)});
+  v.push_back(
+      {"b3_sq2_h8_page53_model1_extra_page2", with_extra(base(M1, 3, 2, 8, 100, 53), 70, 2)});
+  {
+    auto c = with_extra(base(M1, 3, 3, 16, 131, 61), 45, 69);
+    c.use_topk_length = c.use_extra_topk_length = true;
+    c.use_sink = true;
+    v.push_back({"b3_sq3_h16_page61_model1_extra_page69_lengths_sink", c});
+    c.format = V32;
+    v.push_back({"b3_sq3_h16_page61_v32_extra_page69_lengths_sink", c});
+  }
+  v.push_back(
+      {"b74_sq1_h8_page64_model1_extra_page256", with_extra(base(M1, 74, 1, 8, 77, 64), 33, 256)});
+  {
+    // DeepSeek-V4 C1 layout (main topk 128 on 256-token pages, extra 512 on 64), few requests.
+    auto c = with_extra(base(M1, 2, 2, 64, 128, 256), 512, 64);
+    c.use_sink = true;
+    v.push_back({"b2_sq2_h64_page256_model1_c1_sink", c});
+    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles32x32", c, "32x32"});
+    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles16x16", c, "16x16"});
+  }
+  {
+    auto c = base(V32, 1, 2, 128, 65, 69);
+    c.use_sink = true;
+    v.push_back({"b1_sq2_h128_page69_v32_sink", c});
+    v.push_back({"b1_sq2_h128_page69_v32_sink_tiles16x16", c, "16x16"});
+  }
+  v.push_back({"b2_sq1_h128_page2_model1_extra_page1",
+               with_extra(base(M1, 2, 1, 128, 96, 2), 10, 1)});
+  v.push_back({"b3_sq1_h16_topk1_page2_model1", base(M1, 3, 1, 16, 1, 2)});
+  {
+    auto c = with_extra(base(M1, 3, 2, 16, 90, 53), 41, 61);
+    c.q_layout = ref::Layout::kTransposed;
+    c.index.layout = ref::Layout::kPadded;
+    c.extra_index.layout = ref::Layout::kTransposed;
+    c.out_layout = ref::Layout::kPadded;
+    c.flash_lse_layout = true;
+    c.page_stride = ref::default_page_stride(M1, 53) + 48;
+    c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
+    v.push_back({"b3_sq2_h16_model1_strided_q_indices_out_lse_padded_pages", c});
+    c.format = V32;
+    c.page_stride = ref::default_page_stride(V32, 53) + 16;
+    c.extra_page_stride = ref::default_page_stride(V32, 61) + 64;
+    v.push_back({"b3_sq2_h16_v32_strided_q_indices_out_lse_padded_pages", c});
+  }
+  {
+    auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
+    c.index.invalid_fraction = 0.2;
+    c.index.out_of_range_fraction = 0.2;
+    c.extra_index.invalid_fraction = 0.3;
+    c.extra_index.out_of_range_fraction = 0.3;
+    v.push_back({"b3_sq2_h8_model1_minus1_and_out_of_range_indices", c});
+    c.format = V32;
+    v.push_back({"b3_sq2_h8_v32_minus1_and_out_of_range_indices", c});
+  }
+  {
+    auto c = with_extra(base(M1, 3, 3, 8, 70, 53), 50, 2);
+    c.shared_slots = true;
+    c.use_sink = true;
+    v.push_back({"b3_sq3_h8_model1_shared_slots", c});
+  }
+  {
+    auto c = base(M1, 2, 1, 64, 200, 64);
+    c.softmax_scale = 1.0f / std::sqrt(512.0f);
+    v.push_back({"b2_sq1_h64_model1_default_scale", c});
+  }
+  // Head counts that pad: 24 rows in a 32-row CTA, 40 in a 64-row one, 100 over two.
+  v.push_back({"b2_sq2_h24_model1", with_extra(base(M1, 2, 2, 24, 150, 64), 40, 2)});
+  v.push_back({"b2_sq1_h40_v32", base(V32, 2, 1, 40, 150, 61)});
+  v.push_back({"b1_sq2_h100_model1_tiles16x32", base(M1, 1, 2, 100, 99, 64), "16x32"});
+  v.push_back({"b2_sq4_h64_model1_topk300", base(M1, 2, 4, 64, 300, 64)});
+  {
+    // Long lists: every pair is split over many CTAs and merged by the combine kernel.
+    auto c = with_extra(base(M1, 1, 1, 64, 3000, 64), 1000, 2);
+    c.use_sink = true;
+    v.push_back({"b1_sq1_h64_model1_topk3000_extra1000_split", c});
+    auto d = base(V32, 2, 1, 16, 2500, 256);
+    d.use_topk_length = true;
+    v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths", d});
+    v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths_tiles16x16", d, "16x16"});
+  }
+  return v;
+}
+
+class CudaSparseDecode : public ::testing::TestWithParam<SparseParam> {};
+
+TEST_P(CudaSparseDecode, MatchesReferenceAndCpu) {
+  SKIP_WITHOUT_GPU();
+  ref::SparseCaseConfig cfg = GetParam().config;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ScopedTiles tiles(GetParam().tiles);
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  check_case(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaSparseDecode, ::testing::ValuesIn(sparse_params()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the
+// entries past each length point far out of the cache and must not be read.
+TEST(CudaSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {M1, V32}) {
+    ref::SparseCaseConfig cfg = with_extra(base(format, 5, 2, 8, 75, 61), 40, 2);
+    cfg.use_sink = true;
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    c.topk_length = ref::make_int_tensor({0, 9, 75, 1000, 0});
+    c.extra_topk_length = ref::make_int_tensor({40, 0, 3, 0, -7});
+    for (int64_t i = 0; i < 5; ++i) {
+      for (int64_t s = 0; s < 2; ++s) {
+        const int64_t len = static_cast<int64_t>(c.topk_length.get({i}));
+        for (int64_t k = std::max<int64_t>(len, 0); k < 75; ++k) {
+          c.indices.set({i, s, k}, k % 2 ? 2000000000.0 : -5.0);
+        }
+      }
+    }
+    ref::Rng rng(cfg.seed + 1);
+    c.refresh_cache(rng);
+    check_case(c);
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t h = 0; h < 8; ++h) {
+        EXPECT_EQ(c.lse.get({4, h, s}), kInf);
+        EXPECT_EQ(c.out.get({4, s, h, 0}), 0.0);
+      }
+    }
+  }
+}
+
+TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
+  SKIP_WITHOUT_GPU();
+  ref::SparseCaseConfig cfg = with_extra(base(M1, 3, 2, 16, 70, 64), 20, 2);
+  cfg.use_sink = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  c.indices.fill(-1);
+  c.extra_indices.fill(-1);
+  c.attn_sink.set({0}, kInf);  // +inf sink on an empty row must not produce NaN
+  ref::Rng rng(cfg.seed + 1);
+  c.refresh_cache(rng);  // every slot is now NaN
+  check_case(c);
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t h = 0; h < 16; ++h) {
+        EXPECT_EQ(c.lse.get({i, h, s}), kInf);
+        for (int64_t d = 0; d < kDV; d += 97) EXPECT_EQ(c.out.get({i, s, h, d}), 0.0);
+      }
+    }
+  }
+}
+
+// Sinks of +inf (out 0), -inf (no effect) and finite values; lse excludes the sink. Run with a
+// short list (final output written by the attention kernel) and a long one (written by combine).
+TEST(CudaSparseDecodeCorners, SinkInfinitiesAndFinite) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t topk : {50, 2600}) {
+    ref::SparseCaseConfig cfg = with_extra(base(M1, 3, 2, 8, topk, 53), 30, 64);
+    cfg.use_sink = true;
+    cfg.seed = test_seed();
+    SCOPED_TRACE("topk " + std::to_string(topk) + " SPARSE_MLA_TEST_SEED=" +
+                 std::to_string(cfg.seed));
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    const double sinks[8] = {kInf, -kInf, 0.0, 5.0, -3.0, 1e30, -1e30, 7.5};
+    for (int h = 0; h < 8; ++h) c.attn_sink.set({h}, sinks[h]);
+    ref::SparseCase no_sink = c;
+    no_sink.attn_sink = ref::HostTensor();
+    check_case(c);
+    check_case(no_sink);
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t s = 0; s < 2; ++s) {
+        for (int64_t d = 0; d < kDV; d += 31) {
+          EXPECT_EQ(c.out.get({i, s, 0, d}), 0.0);
+          EXPECT_EQ(c.out.get({i, s, 1, d}), no_sink.out.get({i, s, 1, d}));
+        }
+        for (int h = 0; h < 8; ++h) EXPECT_EQ(c.lse.get({i, h, s}), no_sink.lse.get({i, h, s}));
+      }
+    }
+  }
+}
+
+// Indices at the int32 extremes and just outside the cache never fault (run under
+// compute-sanitizer memcheck by tools/gpu_sanitize.sh) and count as absent.
+TEST(CudaSparseDecodeCorners, AdversarialIndicesStayInBounds) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {M1, V32}) {
+    ref::SparseCaseConfig cfg = with_extra(base(format, 2, 2, 16, 64, 53), 33, 2);
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    const int64_t n_main = c.kv.num_slots(), n_extra = c.extra_kv.num_slots();
+    const double bad[] = {INT_MAX, INT_MIN, -2.0, static_cast<double>(n_main),
+                          static_cast<double>(n_main + 53), 1e9};
+    for (int64_t i = 0; i < 2; ++i) {
+      for (int64_t s = 0; s < 2; ++s) {
+        for (int64_t k = 0; k < 64; k += 3) c.indices.set({i, s, k}, bad[k % 6]);
+        for (int64_t k = 1; k < 33; k += 4) {
+          c.extra_indices.set({i, s, k}, k % 2 ? static_cast<double>(n_extra) : INT_MIN);
+        }
+      }
+    }
+    ref::Rng rng(cfg.seed + 1);
+    c.refresh_cache(rng);
+    check_case(c);
+  }
+}
+
+// Same inputs and plan give bitwise the same outputs; a fresh plan too.
+TEST(CudaSparseDecodeDeterminism, BitwiseAcrossRuns) {
+  SKIP_WITHOUT_GPU();
+  ref::SparseCaseConfig cfg = with_extra(base(M1, 3, 2, 64, 1500, 64), 300, 2);
+  cfg.use_sink = true;
+  cfg.use_topk_length = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  Stream stream;
+  DeviceSparse d(c);
+  std::vector<std::vector<uint8_t>> outs;
+  for (int run = 0; run < 3; ++run) {
+    d.poison_outputs();
+    ASSERT_TRUE(decode_test::run_sparse(d.args, stream));
+    d.download(c);
+    std::vector<uint8_t> bytes = decode_test::host_bytes(c.out);
+    const std::vector<uint8_t> lse = decode_test::host_bytes(c.lse);
+    bytes.insert(bytes.end(), lse.begin(), lse.end());
+    outs.push_back(std::move(bytes));
+  }
+  EXPECT_TRUE(outs[0] == outs[1]);
+  EXPECT_TRUE(outs[0] == outs[2]);
+}
+
+}  // namespace
+}  // namespace sparse_mla
