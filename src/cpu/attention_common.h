@@ -39,6 +39,10 @@ struct Kernels {
              float* o, int64_t ldo);
   // x[i] = 2^x[i] in place; -inf (and anything below -126) gives 0.
   void (*exp2)(float* x, int n);
+  // dst[i] = src[i] (bf16 or fp16) * scale.
+  void (*load_row)(const uint16_t* src, DType dtype, float scale, float* dst, int n);
+  // dst[i] = src[i] * scale rounded to bf16 or fp16 (nearest even).
+  void (*store_row)(const float* src, float scale, DType dtype, uint16_t* dst, int n);
   DequantFn dequant[4];  // indexed by KVFormat
 };
 
@@ -112,8 +116,8 @@ class SoftmaxState {
 
 // Writes row results: out = o / l * sink factor, lse = natural log (sink excluded); an empty row
 // (l == 0) gives zeros and +inf. `sink` may be null.
-void finish_row(const float* o, float max2, float sum, int d_v, const float* sink, uint16_t* out,
-                int64_t out_stride, DType out_dtype, float* lse);
+void finish_row(const Kernels& k, const float* o, float max2, float sum, int d_v, const float* sink,
+                uint16_t* out, int64_t out_stride, DType out_dtype, float* lse);
 
 // A tile of dequantized rows being filled.
 struct RowTile {

@@ -93,11 +93,21 @@ void exp2_generic(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = x[i] < -126.f ? 0.f : std::exp2(x[i]);
 }
 
+void load_row_generic(const uint16_t* src, DType dtype, float scale, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = load_half(src + i, dtype) * scale;
+}
+
+void store_row_generic(const float* src, float scale, DType dtype, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) store_half(dst + i, dtype, src[i] * scale);
+}
+
 const Kernels kGeneric = {
     "generic",
     qk_generic,
     pv_generic,
     exp2_generic,
+    load_row_generic,
+    store_row_generic,
     {dequant_model1, dequant_v32, dequant_dense<false>, dequant_dense<true>},
 };
 
@@ -231,6 +241,49 @@ SPARSE_MLA_AVX2 void exp2_avx2(float* x, int n) {
   }
 }
 
+// Half-precision rows to fp32 and back, 8 at a time; tails go through the portable code.
+SPARSE_MLA_AVX2 void load_row_avx2(const uint16_t* src, DType dtype, float scale, float* dst,
+                                   int n) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256 x = dtype == DType::kFloat16
+                         ? _mm256_cvtph_ps(h)
+                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(x, sc));
+  }
+  load_row_generic(src + i, dtype, scale, dst + i, n - i);
+}
+
+// fp32 to bf16, round to nearest even; NaN keeps its sign and stays NaN (quiet bit set).
+SPARSE_MLA_AVX2 inline __m128i bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, is_nan);
+  // Values fit 16 bits: pack within lanes, then put the two halves in order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+
+SPARSE_MLA_AVX2 void store_row_avx2(const float* src, float scale, DType dtype, uint16_t* dst,
+                                    int n) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(src + i), sc);
+    const __m128i h =
+        dtype == DType::kFloat16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT) : bf16x8(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  store_row_generic(src + i, scale, dtype, dst + i, n - i);
+}
+
 // 8 e4m3 bytes to fp32, exactly. Normals come from moving the exponent/mantissa bits into place
 // and rebiasing; subnormals (exponent 0) are 2^-6 * 0.mmm = 2 * (2^-7 * 1.mmm) - 2^-6, which avoids
 // fp32 denormal arithmetic; S.1111.111 is NaN.
@@ -303,6 +356,8 @@ const Kernels kAvx2 = {
     qk_avx2,
     pv_avx2,
     exp2_avx2,
+    load_row_avx2,
+    store_row_avx2,
     {dequant_model1_avx2, dequant_v32_avx2, dequant_dense_avx2<false>, dequant_dense_avx2<true>},
 };
 
@@ -410,6 +465,8 @@ const Kernels kAvx512 = {
     qk_avx512,
     pv_avx512,
     exp2_avx2,
+    load_row_avx2,
+    store_row_avx2,
     {dequant_model1_avx2, dequant_v32_avx2, dequant_dense_avx2<false>, dequant_dense_avx2<true>},
 };
 
@@ -497,8 +554,8 @@ void SoftmaxState::tile(const Kernels& k, const float* rows, int T, const int64_
   k.pv(s_.data(), kTileTokens, M_, rows, kRowPitch, T, d_v_, o_.data(), d_v_);
 }
 
-void finish_row(const float* o, float max2, float sum, int d_v, const float* sink, uint16_t* out,
-                int64_t out_stride, DType out_dtype, float* lse) {
+void finish_row(const Kernels& k, const float* o, float max2, float sum, int d_v, const float* sink,
+                uint16_t* out, int64_t out_stride, DType out_dtype, float* lse) {
   if (sum == 0.f) {
     for (int n = 0; n < d_v; ++n) store_half(out + n * out_stride, out_dtype, 0.f);
     *lse = std::numeric_limits<float>::infinity();
@@ -508,7 +565,11 @@ void finish_row(const float* o, float max2, float sum, int d_v, const float* sin
   double factor = 1.0 / sum;
   if (sink != nullptr) factor /= 1.0 + std::exp(static_cast<double>(*sink) - lse_nat);
   const float f = static_cast<float>(factor);
-  for (int n = 0; n < d_v; ++n) store_half(out + n * out_stride, out_dtype, o[n] * f);
+  if (out_stride == 1) {
+    k.store_row(o, f, out_dtype, out, d_v);
+  } else {
+    for (int n = 0; n < d_v; ++n) store_half(out + n * out_stride, out_dtype, o[n] * f);
+  }
   *lse = static_cast<float>(lse_nat);
 }
 

@@ -94,7 +94,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
         max_visible = std::max(max_visible, visible_until[m]);
         const uint16_t* q = detail::element<const uint16_t>(args.q, i, s, row_head(hk, r));
         float* dst = st.q_row(m);
-        for (int x = 0; x < p.d_qk; ++x) dst[x] = detail::load_half(q + x, qt) * q_scale;
+        k.load_row(q, qt, q_scale, dst, p.d_qk);
       }
       auto flush = [&] {
         const bool mask = tile.count > 0 && tile.pos[tile.count - 1] > min_visible;
@@ -126,7 +126,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
         for (int m = 0; m < M; ++m) {
           const int64_t r = r0 + m;
           const int64_t s = row_token(r), h = row_head(hk, r);
-          detail::finish_row(st.o_row(m), st.max(m), st.sum(m), p.d_v, nullptr,
+          detail::finish_row(k, st.o_row(m), st.max(m), st.sum(m), p.d_v, nullptr,
                              detail::element<uint16_t>(args.out, i, s, h), args.out.strides[3], qt,
                              detail::element<float>(args.lse, i, h, s));
         }
@@ -172,7 +172,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
         }
         const int64_t r = r0 + m;
         const int64_t s = row_token(r), h = row_head(hk, r);
-        detail::finish_row(o.data(), mx, l, p.d_v, nullptr,
+        detail::finish_row(k, o.data(), mx, l, p.d_v, nullptr,
                            detail::element<uint16_t>(args.out, i, s, h), args.out.strides[3], qt,
                            detail::element<float>(args.lse, i, h, s));
       }

@@ -95,7 +95,7 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p)
       for (int m = 0; m < M; ++m) {
         const uint16_t* q = detail::element<const uint16_t>(args.q, i, s, h0 + m);
         float* dst = st.q_row(m);
-        for (int x = 0; x < p.d_qk; ++x) dst[x] = fmt::bf16_to_float(q[x]) * q_scale;
+        k.load_row(q, DType::kBFloat16, q_scale, dst, p.d_qk);
       }
       tile.count = 0;
       for (int c = 0; c < num_sources; ++c) {
@@ -127,7 +127,7 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p)
         const int64_t h = h0 + m;
         const float* sink =
             args.attn_sink ? detail::element<const float>(*args.attn_sink, h) : nullptr;
-        detail::finish_row(st.o_row(m), st.max(m), st.sum(m), p.d_v, sink,
+        detail::finish_row(k, st.o_row(m), st.max(m), st.sum(m), p.d_v, sink,
                            detail::element<uint16_t>(args.out, i, s, h), args.out.strides[3],
                            DType::kBFloat16, detail::element<float>(args.lse, i, h, s));
       }

@@ -390,6 +390,66 @@ TEST_P(CpuKernels, QkPvExp2MatchNaiveLoops) {
   }
 }
 
+// Half-precision row conversions: q rows in (scaled) and output rows out (scaled, RNE), with
+// NaN, infinities, overflow, subnormals and ties, against the reference's own rounding.
+TEST_P(CpuKernels, HalfRowsConvertExactly) {
+  const cpu::detail::Kernels* k = cpu::detail::kernels_named(GetParam());
+  if (k == nullptr) GTEST_SKIP() << GetParam() << " kernels are not available on this CPU";
+  ref::Rng rng(test_seed());
+  const float specials[] = {0.f,
+                            -0.f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            65504.f,
+                            65520.f,
+                            65519.f,
+                            1e-8f,
+                            -3e-6f,
+                            1.00390625f,
+                            1.01171875f,
+                            3.4e38f,
+                            1e-40f};
+  const int n = 203;  // not a multiple of 8: the tail path too
+  std::vector<float> src(n);
+  for (int i = 0; i < n; ++i) {
+    src[i] = i < 14
+                 ? specials[i]
+                 : static_cast<float>(rng.uniform(-2, 2) * std::ldexp(1.0, rng.between(-30, 20)));
+  }
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (float scale : {1.f, 0.37f}) {
+      std::vector<uint16_t> got(n, 0x1234);
+      k->store_row(src.data(), scale, dtype, got.data(), n);
+      for (int i = 0; i < n; ++i) {
+        const float x = src[i] * scale;
+        const uint16_t want =
+            dtype == DType::kBFloat16 ? ref::ref_float_to_bf16(x) : ref::ref_float_to_fp16(x);
+        const bool nan = std::isnan(x);
+        const float back =
+            dtype == DType::kBFloat16 ? fmt::bf16_to_float(got[i]) : fmt::fp16_to_float(got[i]);
+        if (nan) {
+          EXPECT_TRUE(std::isnan(back)) << "element " << i;
+        } else {
+          EXPECT_EQ(got[i], want) << dtype_name(dtype) << " element " << i << " value " << x;
+        }
+      }
+      std::vector<float> in(n, -1.f);
+      k->load_row(got.data(), dtype, scale, in.data(), n);
+      for (int i = 0; i < n; ++i) {
+        const float half =
+            dtype == DType::kBFloat16 ? fmt::bf16_to_float(got[i]) : fmt::fp16_to_float(got[i]);
+        const float want = half * scale;
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(in[i])) << "element " << i;
+        } else {
+          EXPECT_EQ(in[i], want) << dtype_name(dtype) << " element " << i;
+        }
+      }
+    }
+  }
+}
+
 // Row dequantization of every format against src/kv/format.h through the reference reader,
 // including every e4m3 code (subnormals, negative zero, NaN) and extreme scales.
 TEST_P(CpuKernels, DequantizeRowsExactly) {
