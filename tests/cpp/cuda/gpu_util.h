@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +43,13 @@ inline bool gpu_available(std::string* why_not) {
 }
 
 inline Device cuda_device() { return Device{DeviceType::kCUDA, 0}; }
+
+// Fresh random data on every run; SPARSE_MLA_TEST_SEED=<n> replays a failing run (tests print
+// the seed they used in their failure messages).
+inline uint64_t test_seed() {
+  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+  return std::random_device{}();
+}
 
 // Device memory owned by the test; freed when it goes out of scope.
 class DeviceBuffer {
@@ -76,9 +85,12 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
   bool ok() const { return data_ != nullptr; }
 
-  // Fills every byte (e.g. 0xff as a NaN poison for float/bf16 outputs).
+  // Fills every byte (e.g. 0xff as a NaN poison for float/bf16 outputs). Waits for the fill:
+  // tests run on non-blocking streams, which do not order after the default stream.
   void fill(uint8_t byte) {
-    if (data_) expect_ok(cudaMemset(data_, byte, bytes_), "cudaMemset");
+    if (!data_) return;
+    expect_ok(cudaMemset(data_, byte, bytes_), "cudaMemset");
+    expect_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemset");
   }
   void upload(const void* host, size_t bytes) {
     EXPECT_LE(bytes, bytes_) << "upload larger than the buffer";
@@ -172,19 +184,27 @@ struct DeviceTensor {
 };
 
 // Copies the whole span of `host` (padding included, so strided views keep their gaps' bytes).
-inline DeviceTensor to_device(const TensorView& host) {
-  DeviceTensor t{DeviceBuffer(span_bytes(host)), host};
-  t.buffer.upload(host.data, span_bytes(host));
-  t.view.data = t.buffer.data();
+// offset_bytes > 0 places the view that far past the allocation's start, e.g. to test data
+// pointers that are only element-aligned.
+inline DeviceTensor to_device(const TensorView& host, size_t offset_bytes = 0) {
+  DeviceTensor t{DeviceBuffer(span_bytes(host) + offset_bytes), host};
+  t.view.data = static_cast<uint8_t*>(t.buffer.data()) + offset_bytes;
   t.view.device = cuda_device();
+  if (t.buffer.ok()) {
+    const cudaError_t err =
+        cudaMemcpy(t.view.data, host.data, span_bytes(host), cudaMemcpyHostToDevice);
+    EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy H2D: " << cudaGetErrorString(err);
+  }
   return t;
 }
 
 // A device tensor shaped like `like` whose every byte is `poison` (0xff: NaN in float/bf16).
-inline DeviceTensor poisoned_like(const TensorView& like, uint8_t poison = 0xff) {
-  DeviceTensor t{DeviceBuffer(span_bytes(like)), like};
+// offset_bytes as in to_device.
+inline DeviceTensor poisoned_like(const TensorView& like, uint8_t poison = 0xff,
+                                  size_t offset_bytes = 0) {
+  DeviceTensor t{DeviceBuffer(span_bytes(like) + offset_bytes), like};
   t.buffer.fill(poison);
-  t.view.data = t.buffer.data();
+  t.view.data = static_cast<uint8_t*>(t.buffer.data()) + offset_bytes;
   t.view.device = cuda_device();
   return t;
 }
@@ -192,7 +212,10 @@ inline DeviceTensor poisoned_like(const TensorView& like, uint8_t poison = 0xff)
 // Copies a device tensor's span back into host memory laid out like `host`.
 inline void copy_to_host(const DeviceTensor& dev, const TensorView& host) {
   EXPECT_EQ(span_bytes(dev.view), span_bytes(host)) << "copy_to_host: spans differ";
-  dev.buffer.download(host.data, span_bytes(host));
+  if (!dev.buffer.ok() || span_bytes(dev.view) != span_bytes(host)) return;
+  const cudaError_t err =
+      cudaMemcpy(host.data, dev.view.data, span_bytes(host), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy D2H: " << cudaGetErrorString(err);
 }
 
 // Bytes a KV cache occupies: num_pages pages of page_stride bytes.

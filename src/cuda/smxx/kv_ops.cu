@@ -1,0 +1,597 @@
+// CUDA KV-cache tools: quantize-and-store, dequantize and page repack (sm_80+).
+// Bytes written are identical to the CPU backend's: both go through src/kv/format.h, and every
+// floating-point step here (max, multiplication by a power of two) is exact or correctly rounded.
+// Values inside device tensors (slots, block tables, lengths) are never trusted: anything out of
+// range is skipped before an address is formed from it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "src/cuda/common/check.h"
+#include "src/cuda/cuda_backend.h"
+#include "src/kv/format.h"
+
+namespace sparse_mla::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------
+// Source and destination element access.
+
+// Raw storage of one source element and its conversions, as the CPU backend does them: bf16
+// rope values are copied bit for bit, float32 ones rounded once.
+template <DType kDType>
+struct Elem;
+template <>
+struct Elem<DType::kBFloat16> {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float to_float(uint16_t b) { return fmt::bf16_to_float(b); }
+  static __device__ __forceinline__ uint16_t to_bf16(uint16_t b) { return b; }
+};
+template <>
+struct Elem<DType::kFloat32> {
+  using Storage = float;
+  static __device__ __forceinline__ float to_float(float f) { return f; }
+  static __device__ __forceinline__ uint16_t to_bf16(float f) { return fmt::float_to_bf16(f); }
+};
+
+// Loads N consecutive elements of a row starting at column col0. kVec: the row is 16-byte aligned
+// at col0 and N * sizeof(T) is a multiple of 16.
+template <typename T, int N, bool kVec>
+__device__ __forceinline__ void load_elems(const T* row, int col0, T (&v)[N]) {
+  if constexpr (kVec) {
+    static_assert((N * sizeof(T)) % 16 == 0);
+    const uint4* p = reinterpret_cast<const uint4*>(row + col0);
+    uint4 tmp[N * sizeof(T) / 16];
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(N * sizeof(T) / 16); ++i) tmp[i] = __ldg(p + i);
+    memcpy(v, tmp, sizeof(v));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = row[col0 + i];
+  }
+}
+
+template <DType kOut>
+using OutStorage = std::conditional_t<kOut == DType::kFloat32, float, uint16_t>;
+
+// Stores N values to columns [col0, col0 + N) of an output row (float32 raw, bf16 RNE).
+template <DType kOut, int N, bool kVec>
+__device__ __forceinline__ void store_values(OutStorage<kOut>* row, int col0, const float (&v)[N]) {
+  OutStorage<kOut> o[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (kOut == DType::kFloat32) {
+      o[i] = v[i];
+    } else {
+      o[i] = fmt::float_to_bf16(v[i]);
+    }
+  }
+  if constexpr (kVec) {
+    static_assert((N * sizeof(o[0])) % 16 == 0);
+    uint4 tmp[N * sizeof(o[0]) / 16];
+    memcpy(tmp, o, sizeof(tmp));
+    uint4* p = reinterpret_cast<uint4*>(row + col0);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(N * sizeof(o[0]) / 16); ++i) p[i] = tmp[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) row[col0 + i] = o[i];
+  }
+}
+
+// e4m3 value times its scale. A NaN operand is passed through unchanged (sign included), as the
+// CPU's scalar multiply does; the GPU's multiply would return a canonical NaN instead.
+__device__ __forceinline__ float scaled(float x, float scale) {
+  if (isnan(x)) return x;
+  if (isnan(scale)) return scale;
+  return x * scale;
+}
+
+// x / 2^e, bit-identical to the division: for |e| <= 126 the reciprocal is an exact normal
+// float, so both are the correctly rounded value of the same real number. NaN keeps its sign.
+__device__ __forceinline__ float unscale(float x, int e, float inv) {
+  if (isnan(x)) return x;
+  return e <= 126 ? x * inv : x / fmt::exp2i(e);
+}
+
+__device__ __forceinline__ bool slot_valid(int64_t slot, int64_t num_slots) {
+  return slot >= 0 && slot < num_slots;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantize-and-store: one warp per token; lane l owns values [16l, 16l + 16) of the nope part.
+
+struct QuantizeParams {
+  const void* src;         // [n, d_qk] row stride src_row_stride elements, last dim contiguous
+  int64_t src_row_stride;  // elements
+  const int32_t* slots;    // [n], stride slot_stride
+  int64_t slot_stride;
+  int64_t n;
+  uint8_t* cache;
+  int64_t page_size, page_stride, num_slots;
+};
+
+// Max of |x| over `group` adjacent lanes (group a power of two); NaN is ignored like std::fmax.
+template <int kGroup>
+__device__ __forceinline__ float group_amax(float a) {
+#pragma unroll
+  for (int o = 1; o < kGroup; o <<= 1) a = fmaxf(a, __shfl_xor_sync(kFullMask, a, o));
+  return a;
+}
+
+// Two e4m3 codes (a in the low byte) of values already divided by their scale. On sm_89+ the
+// hardware conversion (round to nearest even, saturating to +-448 like fmt::float_to_e4m3) does
+// the work; NaN, whose sign the hardware drops, goes through the format's own function.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t packed;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(b), "f"(a));
+  uint32_t lo = packed & 0xffu, hi = packed >> 8;
+  if (isnan(a)) lo = fmt::float_to_e4m3(a);
+  if (isnan(b)) hi = fmt::float_to_e4m3(b);
+  return lo | (hi << 8);
+#else
+  return fmt::float_to_e4m3(a) | (static_cast<uint32_t>(fmt::float_to_e4m3(b)) << 8);
+#endif
+}
+
+// Quantizes 16 values sharing one scale 2^e; the amax over the tile comes from group_amax.
+__device__ __forceinline__ uint4 quantize16(const float (&x)[16], int e) {
+  const float inv = e <= 126 ? fmt::exp2i(-e) : 0.f;
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = e4m3x2(unscale(x[4 * i], e, inv), unscale(x[4 * i + 1], e, inv));
+    const uint32_t hi = e4m3x2(unscale(x[4 * i + 2], e, inv), unscale(x[4 * i + 3], e, inv));
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <KVFormat kFormat, DType kSrc, bool kVec>
+__global__ void __launch_bounds__(256) quantize_store_kernel(QuantizeParams p) {
+  using E = Elem<kSrc>;
+  using T = typename E::Storage;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  if (row >= p.n) return;
+  const int64_t slot = p.slots[row * p.slot_stride];
+  if (!slot_valid(slot, p.num_slots)) return;  // whole warp: slot is uniform
+  const int64_t page = slot / p.page_size;
+  const int64_t t = slot - page * p.page_size;
+  uint8_t* base = p.cache + page * p.page_stride;
+  const T* src = static_cast<const T*>(p.src) + row * p.src_row_stride;
+
+  T raw[16];
+  load_elems<T, 16, kVec>(src, 16 * lane, raw);
+  float x[16];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    x[i] = E::to_float(raw[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+
+  if constexpr (kFormat == KVFormat::kModel1) {
+    // Lanes 0..27: 448 nope values, 4 lanes per 64-wide tile. Lanes 28..31: 64 rope values.
+    amax = group_amax<4>(amax);
+    const int e = fmt::scale_exponent(amax);
+    uint8_t* data = base + fmt::model1_row_offset(t);
+    if (lane < kModel1NopeDims / 16) {
+      reinterpret_cast<uint4*>(data)[lane] = quantize16(x, e);
+    } else {
+      uint16_t r[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) r[i] = E::to_bf16(raw[i]);
+      uint4 v[2];
+      memcpy(v, r, 32);
+      uint4* dst = reinterpret_cast<uint4*>(data + kModel1NopeDims) + 2 * (lane - 28);
+      dst[0] = v[0];
+      dst[1] = v[1];
+    }
+    uint8_t s[8];
+#pragma unroll
+    for (int j = 0; j < 7; ++j) s[j] = static_cast<uint8_t>(__shfl_sync(kFullMask, e, 4 * j) + 127);
+    s[7] = 0;
+    if (lane == 0) {
+      uint2 packed;
+      memcpy(&packed, s, 8);
+      *reinterpret_cast<uint2*>(base + fmt::model1_scale_offset(p.page_size, t)) = packed;
+    }
+  } else {
+    // V32: lanes 0..31 hold the 512 nope values, 8 lanes per 128-wide tile; lanes 0..7 also
+    // carry 8 rope values each.
+    amax = group_amax<8>(amax);
+    const int e = fmt::scale_exponent(amax);
+    uint8_t* data = base + t * kV32BytesPerToken;
+    reinterpret_cast<uint4*>(data)[lane] = quantize16(x, e);
+    float sc[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sc[j] = fmt::exp2i(__shfl_sync(kFullMask, e, 8 * j));
+    if (lane == 0) {
+      uint4 packed;
+      memcpy(&packed, sc, 16);
+      *reinterpret_cast<uint4*>(data + fmt::kV32ScaleOffset) = packed;
+    }
+    if (lane < kRopeDims / 8) {
+      T rr[8];
+      load_elems<T, 8, kVec>(src, kV32NopeDims + 8 * lane, rr);
+      uint16_t r[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = E::to_bf16(rr[i]);
+      uint4 v;
+      memcpy(&v, r, 16);
+      reinterpret_cast<uint4*>(data + fmt::kV32RopeOffset)[lane] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantize: one warp per output row.
+
+struct DequantizeParams {
+  const uint8_t* cache;
+  int64_t page_size, page_stride, num_slots;
+  int64_t bytes_per_token;  // dense formats: all heads of a token
+  const int32_t* slots;
+  int64_t slot_stride;
+  int64_t n;
+  void* out;
+  int64_t out_row_stride;  // elements
+};
+
+__device__ __forceinline__ void unpack_bf16(const uint4 (&v)[2], float (&x)[16]) {
+  uint16_t h[16];
+  memcpy(h, v, 32);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = fmt::bf16_to_float(h[i]);
+}
+
+template <KVFormat kFormat, DType kOut, bool kVec>
+__global__ void __launch_bounds__(256) dequantize_kernel(DequantizeParams p) {
+  using O = OutStorage<kOut>;
+  constexpr int d = kFormat == KVFormat::kModel1 ? kDV : kDenseHeadDim;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  if (row >= p.n) return;
+  O* out = static_cast<O*>(p.out) + row * p.out_row_stride;
+  const int64_t slot = p.slots[row * p.slot_stride];
+  if (!slot_valid(slot, p.num_slots)) {
+    const float zero[2] = {0.f, 0.f};
+    for (int c = 2 * lane; c < d; c += 2 * kWarp) store_values<kOut, 2, false>(out, c, zero);
+    return;
+  }
+  const int64_t page = slot / p.page_size;
+  const int64_t t = slot - page * p.page_size;
+  const uint8_t* base = p.cache + page * p.page_stride;
+
+  if constexpr (kFormat == KVFormat::kModel1) {
+    const uint8_t* data = base + fmt::model1_row_offset(t);
+    float x[16];
+    if (lane < kModel1NopeDims / 16) {
+      const uint4 codes = __ldg(reinterpret_cast<const uint4*>(data) + lane);
+      const float scale = fmt::ue8m0_to_float(
+          __ldg(base + fmt::model1_scale_offset(p.page_size, t) + lane / 4));
+      uint8_t c[16];
+      memcpy(c, &codes, 16);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = scaled(fmt::e4m3_to_float(c[i]), scale);
+    } else {
+      const uint4* rope = reinterpret_cast<const uint4*>(data + kModel1NopeDims) + 2 * (lane - 28);
+      const uint4 v[2] = {__ldg(rope), __ldg(rope + 1)};
+      unpack_bf16(v, x);
+    }
+    store_values<kOut, 16, kVec>(out, 16 * lane, x);
+  } else if constexpr (kFormat == KVFormat::kV32) {
+    const uint8_t* data = base + t * kV32BytesPerToken;
+    const uint4 codes = __ldg(reinterpret_cast<const uint4*>(data) + lane);
+    const float scale = __ldg(reinterpret_cast<const float*>(data + fmt::kV32ScaleOffset) + lane / 8);
+    uint8_t c[16];
+    memcpy(c, &codes, 16);
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = scaled(fmt::e4m3_to_float(c[i]), scale);
+    store_values<kOut, 16, kVec>(out, 16 * lane, x);
+    if (lane < kRopeDims / 8) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(data + fmt::kV32RopeOffset) + lane);
+      uint16_t h[8];
+      memcpy(h, &v, 16);
+      float r[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = fmt::bf16_to_float(h[i]);
+      store_values<kOut, 8, kVec>(out, kV32NopeDims + 8 * lane, r);
+    }
+  } else {
+    // Dense bf16/fp16: head 0 is the first 576 values of the token; 72 chunks of 8.
+    const uint4* data = reinterpret_cast<const uint4*>(base + t * p.bytes_per_token);
+    for (int c = lane; c < kDenseHeadDim / 8; c += kWarp) {
+      const uint4 v = __ldg(data + c);
+      uint16_t h[8];
+      memcpy(h, &v, 16);
+      float r[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        r[i] = kFormat == KVFormat::kBF16 ? fmt::bf16_to_float(h[i]) : fmt::fp16_to_float(h[i]);
+      }
+      store_values<kOut, 8, kVec>(out, 8 * c, r);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Page repack. Work item = (request, chunk of kRepackTokens consecutive tokens). The block first
+// resolves every token of its chunk to a source and destination address (or skips it), then
+// copies the chunk with 16-byte vectors spread over all threads, so pages of any size (2, 53,
+// 256) keep every thread busy and a 256 -> 64 repack is one pass over the bytes named.
+
+constexpr int kRepackThreads = 256;
+constexpr int kRepackTokens = 64;
+constexpr int kRepackUnroll = 4;  // loads in flight per thread before the matching stores
+
+struct RepackParams {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t src_page_size, src_page_stride, src_num_pages;
+  int64_t dst_page_size, dst_page_stride, dst_num_pages;
+  const int32_t* src_table;
+  int64_t src_table_s0, src_table_s1;
+  const int32_t* dst_table;
+  int64_t dst_table_s0, dst_table_s1;
+  const int32_t* seqlens;
+  int64_t seqlens_stride;
+  int64_t b;
+  int64_t capacity;         // min(max_src_pages * src_page_size, max_dst_pages * dst_page_size)
+  int64_t chunks;           // per request: ceil(capacity / kRepackTokens)
+  int64_t row_bytes;        // bytes copied per token in the row part (MODEL1: 576; else all)
+  int vectors_per_token;    // row_bytes / 16
+};
+
+// Token rows are 16-byte multiples in every format: MODEL1 576, V32 656, dense h_kv * 1152.
+template <KVFormat kFormat, int kVPT>
+__global__ void __launch_bounds__(kRepackThreads) repack_kernel(RepackParams p) {
+  __shared__ int64_t src_row[kRepackTokens];  // byte offset of the token's row; -1: skip
+  __shared__ int64_t dst_row[kRepackTokens];
+  __shared__ int64_t src_scale[kRepackTokens];  // MODEL1 footer offsets
+  __shared__ int64_t dst_scale[kRepackTokens];
+  const int vpt = kVPT > 0 ? kVPT : p.vectors_per_token;
+  const int64_t items = p.b * p.chunks;
+
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t i = item / p.chunks;
+    const int64_t t0 = (item - i * p.chunks) * kRepackTokens;
+    const int64_t len =
+        min(max(static_cast<int64_t>(p.seqlens[i * p.seqlens_stride]), int64_t{0}), p.capacity);
+    if (t0 >= len) continue;  // uniform over the block
+    const int ntok = static_cast<int>(min(int64_t{kRepackTokens}, len - t0));
+
+    if (threadIdx.x < ntok) {
+      const int64_t t = t0 + threadIdx.x;
+      const int64_t sp = t / p.src_page_size, st = t - sp * p.src_page_size;
+      const int64_t dp = t / p.dst_page_size, dt = t - dp * p.dst_page_size;
+      const int64_t src_page = p.src_table[i * p.src_table_s0 + sp * p.src_table_s1];
+      const int64_t dst_page = p.dst_table[i * p.dst_table_s0 + dp * p.dst_table_s1];
+      const bool ok = src_page >= 0 && src_page < p.src_num_pages && dst_page >= 0 &&
+                      dst_page < p.dst_num_pages;
+      src_row[threadIdx.x] = ok ? src_page * p.src_page_stride + st * p.row_bytes : -1;
+      dst_row[threadIdx.x] = dst_page * p.dst_page_stride + dt * p.row_bytes;
+      if constexpr (kFormat == KVFormat::kModel1) {
+        src_scale[threadIdx.x] =
+            src_page * p.src_page_stride + fmt::model1_scale_offset(p.src_page_size, st);
+        dst_scale[threadIdx.x] =
+            dst_page * p.dst_page_stride + fmt::model1_scale_offset(p.dst_page_size, dt);
+      }
+    }
+    __syncthreads();
+
+    const int total = ntok * vpt;
+    for (int base = threadIdx.x; base < total; base += kRepackThreads * kRepackUnroll) {
+      uint4 v[kRepackUnroll];
+      int64_t to[kRepackUnroll];
+#pragma unroll
+      for (int u = 0; u < kRepackUnroll; ++u) {
+        const int k = base + u * kRepackThreads;
+        to[u] = -1;
+        if (k < total) {
+          const int tok = k / vpt;
+          const int chunk = k - tok * vpt;
+          const int64_t from = src_row[tok];
+          if (from >= 0) {
+            v[u] = __ldcs(reinterpret_cast<const uint4*>(p.src + from) + chunk);
+            to[u] = dst_row[tok] + 16 * static_cast<int64_t>(chunk);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRepackUnroll; ++u) {
+        if (to[u] >= 0) __stcs(reinterpret_cast<uint4*>(p.dst + to[u]), v[u]);
+      }
+    }
+    if constexpr (kFormat == KVFormat::kModel1) {
+      if (threadIdx.x < ntok && src_row[threadIdx.x] >= 0) {
+        const uint2 s = __ldcs(reinterpret_cast<const uint2*>(p.src + src_scale[threadIdx.x]));
+        __stcs(reinterpret_cast<uint2*>(p.dst + dst_scale[threadIdx.x]), s);
+      }
+    }
+    __syncthreads();  // the next item rewrites the shared tables
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+// The current device's SM count and whether our kernels can run on it.
+Status current_device(int* sm_count) {
+  int dev = 0;
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  int major = 0;
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major < 8) {
+    int minor = 0;
+    SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return Status::DeviceError("the cuda backend needs sm_80 or newer, running on sm_" +
+                               std::to_string(major * 10 + minor));
+  }
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, dev));
+  return Status::Ok();
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Rows of a [n, d] view can be read/written with 16-byte vectors.
+bool rows_vectorizable(const TensorView& t) {
+  const int64_t row_bytes = t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
+  return aligned16(t.data) && (t.shape[0] <= 1 || row_bytes % 16 == 0);
+}
+
+// Rows per launch: one warp each, 8 warps per block.
+constexpr int kRowThreads = 256;
+constexpr int kRowsPerBlock = kRowThreads / kWarp;
+
+template <KVFormat kFormat, DType kSrc>
+void launch_quantize(const QuantizeParams& p, bool vec, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>((p.n + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (vec) {
+    quantize_store_kernel<kFormat, kSrc, true><<<grid, kRowThreads, 0, stream>>>(p);
+  } else {
+    quantize_store_kernel<kFormat, kSrc, false><<<grid, kRowThreads, 0, stream>>>(p);
+  }
+}
+
+template <KVFormat kFormat>
+void launch_dequantize(const DequantizeParams& p, DType out, bool vec, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>((p.n + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (out == DType::kFloat32) {
+    if (vec) {
+      dequantize_kernel<kFormat, DType::kFloat32, true><<<grid, kRowThreads, 0, stream>>>(p);
+    } else {
+      dequantize_kernel<kFormat, DType::kFloat32, false><<<grid, kRowThreads, 0, stream>>>(p);
+    }
+  } else {
+    if (vec) {
+      dequantize_kernel<kFormat, DType::kBFloat16, true><<<grid, kRowThreads, 0, stream>>>(p);
+    } else {
+      dequantize_kernel<kFormat, DType::kBFloat16, false><<<grid, kRowThreads, 0, stream>>>(p);
+    }
+  }
+}
+
+}  // namespace
+
+Status quantize_store(const QuantizeStoreArgs& args, void* stream) {
+  const int64_t n = args.src.shape[0];
+  if (n == 0) return Status::Ok();
+  int sms = 0;
+  SPARSE_MLA_RETURN_IF_ERROR(current_device(&sms));
+  QuantizeParams p;
+  p.src = args.src.data;
+  p.src_row_stride = args.src.strides[0];
+  p.slots = args.slots.ptr<const int32_t>();
+  p.slot_stride = args.slots.strides[0];
+  p.n = n;
+  p.cache = static_cast<uint8_t*>(args.kv.data);
+  p.page_size = args.kv.page_size;
+  p.page_stride = args.kv.page_stride;
+  p.num_slots = args.kv.num_slots();
+  const bool vec = rows_vectorizable(args.src);
+  auto s = static_cast<cudaStream_t>(stream);
+  const bool model1 = args.kv.format == KVFormat::kModel1;
+  if (args.src.dtype == DType::kBFloat16) {
+    model1 ? launch_quantize<KVFormat::kModel1, DType::kBFloat16>(p, vec, s)
+           : launch_quantize<KVFormat::kV32, DType::kBFloat16>(p, vec, s);
+  } else if (args.src.dtype == DType::kFloat32) {
+    model1 ? launch_quantize<KVFormat::kModel1, DType::kFloat32>(p, vec, s)
+           : launch_quantize<KVFormat::kV32, DType::kFloat32>(p, vec, s);
+  } else {
+    return Status::Internal(std::string("cuda::quantize_store: src dtype ") +
+                            dtype_name(args.src.dtype) + " reached the kernel");
+  }
+  return check_launch("quantize_store_kernel");
+}
+
+Status dequantize(const DequantizeArgs& args, void* stream) {
+  const int64_t n = args.slots.shape[0];
+  if (n == 0) return Status::Ok();
+  int sms = 0;
+  SPARSE_MLA_RETURN_IF_ERROR(current_device(&sms));
+  DequantizeParams p;
+  p.cache = static_cast<const uint8_t*>(args.kv.data);
+  p.page_size = args.kv.page_size;
+  p.page_stride = args.kv.page_stride;
+  p.num_slots = args.kv.num_slots();
+  p.bytes_per_token = args.kv.bytes_per_token();
+  p.slots = args.slots.ptr<const int32_t>();
+  p.slot_stride = args.slots.strides[0];
+  p.n = n;
+  p.out = args.out.data;
+  p.out_row_stride = args.out.strides[0];
+  const bool vec = rows_vectorizable(args.out);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (args.kv.format) {
+    case KVFormat::kModel1: launch_dequantize<KVFormat::kModel1>(p, args.out.dtype, vec, s); break;
+    case KVFormat::kV32: launch_dequantize<KVFormat::kV32>(p, args.out.dtype, vec, s); break;
+    case KVFormat::kBF16: launch_dequantize<KVFormat::kBF16>(p, args.out.dtype, vec, s); break;
+    case KVFormat::kFP16: launch_dequantize<KVFormat::kFP16>(p, args.out.dtype, vec, s); break;
+  }
+  return check_launch("dequantize_kernel");
+}
+
+Status repack_pages(const RepackArgs& args, void* stream) {
+  const int64_t b = args.seqlens.shape[0];
+  const int64_t max_src_pages = args.src_block_table.shape[1];
+  const int64_t max_dst_pages = args.dst_block_table.shape[1];
+  const int64_t capacity =
+      std::min(max_src_pages * args.src.page_size, max_dst_pages * args.dst.page_size);
+  if (b == 0 || capacity == 0) return Status::Ok();
+  int sms = 0;
+  SPARSE_MLA_RETURN_IF_ERROR(current_device(&sms));
+  const KVFormat format = args.src.format;
+  RepackParams p;
+  p.src = static_cast<const uint8_t*>(args.src.data);
+  p.dst = static_cast<uint8_t*>(args.dst.data);
+  p.src_page_size = args.src.page_size;
+  p.src_page_stride = args.src.page_stride;
+  p.src_num_pages = args.src.num_pages;
+  p.dst_page_size = args.dst.page_size;
+  p.dst_page_stride = args.dst.page_stride;
+  p.dst_num_pages = args.dst.num_pages;
+  p.src_table = args.src_block_table.ptr<const int32_t>();
+  p.src_table_s0 = args.src_block_table.strides[0];
+  p.src_table_s1 = args.src_block_table.strides[1];
+  p.dst_table = args.dst_block_table.ptr<const int32_t>();
+  p.dst_table_s0 = args.dst_block_table.strides[0];
+  p.dst_table_s1 = args.dst_block_table.strides[1];
+  p.seqlens = args.seqlens.ptr<const int32_t>();
+  p.seqlens_stride = args.seqlens.strides[0];
+  p.b = b;
+  // Lengths are int32, so tokens past 2^31 - 1 are never named.
+  p.capacity = std::min<int64_t>(capacity, INT32_MAX);
+  p.chunks = (p.capacity + kRepackTokens - 1) / kRepackTokens;
+  p.row_bytes = format == KVFormat::kModel1 ? kModel1RowBytes : args.src.bytes_per_token();
+  p.vectors_per_token = static_cast<int>(p.row_bytes / 16);
+  // Enough resident blocks to cover the memory latency; idle items exit after one length read.
+  const int64_t grid = std::min<int64_t>(b * p.chunks, int64_t{sms} * 16);
+  auto s = static_cast<cudaStream_t>(stream);
+  const unsigned g = static_cast<unsigned>(grid);
+  switch (format) {
+    case KVFormat::kModel1:
+      repack_kernel<KVFormat::kModel1, kModel1RowBytes / 16><<<g, kRepackThreads, 0, s>>>(p);
+      break;
+    case KVFormat::kV32:
+      repack_kernel<KVFormat::kV32, kV32BytesPerToken / 16><<<g, kRepackThreads, 0, s>>>(p);
+      break;
+    case KVFormat::kBF16:
+    case KVFormat::kFP16: repack_kernel<KVFormat::kBF16, 0><<<g, kRepackThreads, 0, s>>>(p); break;
+  }
+  return check_launch("repack_kernel");
+}
+
+}  // namespace sparse_mla::cuda

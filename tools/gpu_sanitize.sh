@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs the GPU tests under compute-sanitizer's memcheck, racecheck, initcheck and synccheck and
+# writes one log per tool plus a summary (tool, tests passed / run, sanitizer errors, verdict).
+#   tools/gpu_sanitize.sh [BUILD_DIR or TEST_BINARY] [OUT_DIR] [GTEST_FILTER]
+# Defaults: build, $OUT (else ./sanitize-out), $SPARSE_MLA_SANITIZE_FILTER (else 'Cuda*', the
+# GPU suites). SANITIZE_TOOLS overrides the tool list. Exits non-zero if any tool reports an
+# error or a test fails under it.
+set -uo pipefail
+
+target=${1:-build}
+out=${2:-${OUT:-$PWD/sanitize-out}}
+filter=${3:-${SPARSE_MLA_SANITIZE_FILTER:-Cuda*}}
+tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
+
+if [[ -d $target ]]; then
+  bin=$target/tests/cpp/sparse_mla_tests
+else
+  bin=$target
+fi
+if [[ ! -x $bin ]]; then
+  echo "gpu_sanitize: no test binary at $bin" >&2
+  exit 2
+fi
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [[ ! -x $sanitizer ]]; then
+  echo "gpu_sanitize: compute-sanitizer not found" >&2
+  exit 2
+fi
+mkdir -p "$out"
+summary=$out/sanitize_summary.txt
+
+declare -a extra
+status=0
+printf '%-10s %-14s %-8s %-7s %s\n' tool tests errors seconds verdict >"$summary"
+for tool in $tools; do
+  case $tool in
+    memcheck) extra=(--leak-check full) ;;
+    racecheck) extra=(--racecheck-report hazard) ;;
+    *) extra=() ;;
+  esac
+  log=$out/sanitize_$tool.log
+  t0=$SECONDS
+  "$sanitizer" --tool "$tool" --error-exitcode 99 "${extra[@]}" \
+    "$bin" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1
+  rc=$?
+  seconds=$((SECONDS - t0))
+  # gtest: "[==========] N tests from M test suites ran." and "[  PASSED  ] K tests."
+  ran=$(grep -oE '\[==========\] [0-9]+ tests? from' "$log" | tail -1 | grep -oE '[0-9]+' | head -1)
+  passed=$(grep -oE '\[  PASSED  \] [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
+  # memcheck/initcheck/synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards"
+  errors=$(grep -oE '(ERROR|RACECHECK) SUMMARY: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
+  verdict=ok
+  if [[ $rc -ne 0 || -z $ran || ${passed:-0} -ne ${ran:-0} || ${errors:-1} -ne 0 ]]; then
+    verdict="FAIL (rc $rc)"
+    status=1
+  fi
+  printf '%-10s %-14s %-8s %-7s %s\n' "$tool" "${passed:-0}/${ran:-?}" "${errors:-?}" \
+    "$seconds" "$verdict" >>"$summary"
+done
+echo "filter: $filter  binary: $bin" >>"$summary"
+cat "$summary"
+exit $status
