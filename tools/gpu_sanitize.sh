@@ -2,14 +2,14 @@
 # Runs the GPU tests under compute-sanitizer's memcheck, racecheck, initcheck and synccheck and
 # writes one log per tool plus a summary (tool, tests passed / run, sanitizer errors, verdict).
 #   tools/gpu_sanitize.sh [BUILD_DIR or TEST_BINARY] [OUT_DIR] [GTEST_FILTER]
-# Defaults: build, $OUT (else ./sanitize-out), $SPARSE_MLA_SANITIZE_FILTER (else 'Cuda*', the
-# GPU suites). SANITIZE_TOOLS overrides the tool list. Exits non-zero if any tool reports an
-# error or a test fails under it.
+# Defaults: build, $OUT (else ./sanitize-out), $SPARSE_MLA_SANITIZE_FILTER (else the GPU suites,
+# 'Cuda*:*/Cuda*'). SANITIZE_TOOLS overrides the tool list. Exits non-zero if any tool reports
+# an error or a test fails or skips under it (a skip there means the GPU was not seen).
 set -uo pipefail
 
 target=${1:-build}
 out=${2:-${OUT:-$PWD/sanitize-out}}
-filter=${3:-${SPARSE_MLA_SANITIZE_FILTER:-Cuda*}}
+filter=${3:-${SPARSE_MLA_SANITIZE_FILTER:-Cuda*:*/Cuda*}}
 tools=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
 
 if [[ -d $target ]]; then
@@ -31,7 +31,7 @@ summary=$out/sanitize_summary.txt
 
 declare -a extra
 status=0
-printf '%-10s %-14s %-8s %-7s %s\n' tool tests errors seconds verdict >"$summary"
+printf '%-10s %-22s %-8s %-7s %s\n' tool tests errors seconds verdict >"$summary"
 for tool in $tools; do
   case $tool in
     memcheck) extra=(--leak-check full) ;;
@@ -47,14 +47,17 @@ for tool in $tools; do
   # gtest: "[==========] N tests from M test suites ran." and "[  PASSED  ] K tests."
   ran=$(grep -oE '\[==========\] [0-9]+ tests? from' "$log" | tail -1 | grep -oE '[0-9]+' | head -1)
   passed=$(grep -oE '\[  PASSED  \] [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
-  # memcheck/initcheck/synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards"
+  skipped=$(grep -oE '\[  SKIPPED \] [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
+  # "ERROR SUMMARY: N errors" (memcheck, initcheck, synccheck), "RACECHECK SUMMARY: N hazards"
   errors=$(grep -oE '(ERROR|RACECHECK) SUMMARY: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
   verdict=ok
   if [[ $rc -ne 0 || -z $ran || ${passed:-0} -ne ${ran:-0} || ${errors:-1} -ne 0 ]]; then
     verdict="FAIL (rc $rc)"
     status=1
   fi
-  printf '%-10s %-14s %-8s %-7s %s\n' "$tool" "${passed:-0}/${ran:-?}" "${errors:-?}" \
+  tests="${passed:-0}/${ran:-?}"
+  [[ -n $skipped ]] && tests="$tests (${skipped} skipped)"
+  printf '%-10s %-22s %-8s %-7s %s\n' "$tool" "$tests" "${errors:-?}" \
     "$seconds" "$verdict" >>"$summary"
 done
 echo "filter: $filter  binary: $bin" >>"$summary"
