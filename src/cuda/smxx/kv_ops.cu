@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(256) dequantize_kernel(DequantizeParams p) {
     float x[16];
     if (lane < kModel1NopeDims / 16) {
       const uint4 codes = __ldg(reinterpret_cast<const uint4*>(data) + lane);
-      const float scale = fmt::ue8m0_to_float(
-          __ldg(base + fmt::model1_scale_offset(p.page_size, t) + lane / 4));
+      const float scale =
+          fmt::ue8m0_to_float(__ldg(base + fmt::model1_scale_offset(p.page_size, t) + lane / 4));
       uint8_t c[16];
       memcpy(c, &codes, 16);
 #pragma unroll
@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(256) dequantize_kernel(DequantizeParams p) {
   } else if constexpr (kFormat == KVFormat::kV32) {
     const uint8_t* data = base + t * kV32BytesPerToken;
     const uint4 codes = __ldg(reinterpret_cast<const uint4*>(data) + lane);
-    const float scale = __ldg(reinterpret_cast<const float*>(data + fmt::kV32ScaleOffset) + lane / 8);
+    const float scale =
+        __ldg(reinterpret_cast<const float*>(data + fmt::kV32ScaleOffset) + lane / 8);
     uint8_t c[16];
     memcpy(c, &codes, 16);
     float x[16];
@@ -346,10 +347,10 @@ struct RepackParams {
   const int32_t* seqlens;
   int64_t seqlens_stride;
   int64_t b;
-  int64_t capacity;         // min(max_src_pages * src_page_size, max_dst_pages * dst_page_size)
-  int64_t chunks;           // per request: ceil(capacity / kRepackTokens)
-  int64_t row_bytes;        // bytes copied per token in the row part (MODEL1: 576; else all)
-  int vectors_per_token;    // row_bytes / 16
+  int64_t capacity;       // min(max_src_pages * src_page_size, max_dst_pages * dst_page_size)
+  int64_t chunks;         // per request: ceil(capacity / kRepackTokens)
+  int64_t row_bytes;      // bytes copied per token in the row part (MODEL1: 576; else all)
+  int vectors_per_token;  // row_bytes / 16
 };
 
 // Token rows are 16-byte multiples in every format: MODEL1 576, V32 656, dense h_kv * 1152.
@@ -536,10 +537,18 @@ Status dequantize(const DequantizeArgs& args, void* stream) {
   const bool vec = rows_vectorizable(args.out);
   auto s = static_cast<cudaStream_t>(stream);
   switch (args.kv.format) {
-    case KVFormat::kModel1: launch_dequantize<KVFormat::kModel1>(p, args.out.dtype, vec, s); break;
-    case KVFormat::kV32: launch_dequantize<KVFormat::kV32>(p, args.out.dtype, vec, s); break;
-    case KVFormat::kBF16: launch_dequantize<KVFormat::kBF16>(p, args.out.dtype, vec, s); break;
-    case KVFormat::kFP16: launch_dequantize<KVFormat::kFP16>(p, args.out.dtype, vec, s); break;
+    case KVFormat::kModel1:
+      launch_dequantize<KVFormat::kModel1>(p, args.out.dtype, vec, s);
+      break;
+    case KVFormat::kV32:
+      launch_dequantize<KVFormat::kV32>(p, args.out.dtype, vec, s);
+      break;
+    case KVFormat::kBF16:
+      launch_dequantize<KVFormat::kBF16>(p, args.out.dtype, vec, s);
+      break;
+    case KVFormat::kFP16:
+      launch_dequantize<KVFormat::kFP16>(p, args.out.dtype, vec, s);
+      break;
   }
   return check_launch("dequantize_kernel");
 }
@@ -589,7 +598,9 @@ Status repack_pages(const RepackArgs& args, void* stream) {
       repack_kernel<KVFormat::kV32, kV32BytesPerToken / 16><<<g, kRepackThreads, 0, s>>>(p);
       break;
     case KVFormat::kBF16:
-    case KVFormat::kFP16: repack_kernel<KVFormat::kBF16, 0><<<g, kRepackThreads, 0, s>>>(p); break;
+    case KVFormat::kFP16:
+      repack_kernel<KVFormat::kBF16, 0><<<g, kRepackThreads, 0, s>>>(p);
+      break;
   }
   return check_launch("repack_kernel");
 }

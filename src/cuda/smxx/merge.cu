@@ -26,8 +26,8 @@ constexpr int kColsPerLane = 8;  // one tile is 256 columns: 8 per lane, 16- or 
 constexpr int kTileCols = kWarp * kColsPerLane;
 
 struct MergeParams {
-  const void* parts;  // [n, b, s_q, h_q, d_v], last dim contiguous
-  int64_t part_s[4];  // strides of n, b, s_q, h_q (elements)
+  const void* parts;       // [n, b, s_q, h_q, d_v], last dim contiguous
+  int64_t part_s[4];       // strides of n, b, s_q, h_q (elements)
   const float* lse_parts;  // [n, b, s_q, h_q]
   int64_t lse_part_s[4];
   const float* sink;  // [h_q] or nullptr
@@ -149,7 +149,8 @@ __global__ void __launch_bounds__(kThreads, 4) merge_kernel(MergeParams p) {
     if (has_nan || m == -INFINITY) {
       const float fill = has_nan ? NAN : 0.f;
       const float v[8] = {fill, fill, fill, fill, fill, fill, fill, fill};
-      for (int c = lane * kColsPerLane; c < p.d_v; c += kTileCols) store8<kOut, kVec>(out, c, p.d_v, v);
+      for (int c = lane * kColsPerLane; c < p.d_v; c += kTileCols)
+        store8<kOut, kVec>(out, c, p.d_v, v);
       if (lane == 0) *lse_out = has_nan ? NAN : INFINITY;
       continue;
     }
@@ -240,11 +241,11 @@ Status merge_attention(const MergeArgs& args, const MergeProblem& pr, void* stre
   p.s_q = pr.s_q;
   p.h_q = pr.h_q;
   p.d_v = pr.d_v;
-  const bool vec = pr.d_v % kColsPerLane == 0 &&
-                   rows_aligned(args.out_parts.data, args.out_parts.strides,
-                                args.out_parts.shape, 4, dtype_size(args.out_parts.dtype)) &&
-                   rows_aligned(args.out.data, args.out.strides, args.out.shape, 3,
-                                dtype_size(args.out.dtype));
+  const bool vec =
+      pr.d_v % kColsPerLane == 0 &&
+      rows_aligned(args.out_parts.data, args.out_parts.strides, args.out_parts.shape, 4,
+                   dtype_size(args.out_parts.dtype)) &&
+      rows_aligned(args.out.data, args.out.strides, args.out.shape, 3, dtype_size(args.out.dtype));
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, 1 << 30));
   auto s = static_cast<cudaStream_t>(stream);

@@ -247,10 +247,10 @@ inline std::vector<uint8_t> to_host_bytes(const DeviceKV& d) {
 }  // namespace sparse_mla::gpu_test
 
 // Skips the current test, with the reason, when no usable CUDA device is present.
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    std::string sparse_mla_why_not_;                                        \
-    if (!::sparse_mla::gpu_test::gpu_available(&sparse_mla_why_not_)) {     \
-      GTEST_SKIP() << "needs a CUDA device: " << sparse_mla_why_not_;       \
-    }                                                                       \
+#define SKIP_WITHOUT_GPU()                                              \
+  do {                                                                  \
+    std::string sparse_mla_why_not_;                                    \
+    if (!::sparse_mla::gpu_test::gpu_available(&sparse_mla_why_not_)) { \
+      GTEST_SKIP() << "needs a CUDA device: " << sparse_mla_why_not_;   \
+    }                                                                   \
   } while (0)

@@ -104,10 +104,10 @@ struct QuantizeCase {
 };
 
 std::string describe(const QuantizeCase& c) {
-  return std::string(kv_format_name(c.format)) + " src " + dtype_name(c.src_dtype) +
-         " page_size " + std::to_string(c.page_size) + " stride_pad " +
-         std::to_string(c.stride_pad) + " row_pad " + std::to_string(c.row_pad) + " offset " +
-         std::to_string(c.src_offset) + " n " + std::to_string(c.n);
+  return std::string(kv_format_name(c.format)) + " src " + dtype_name(c.src_dtype) + " page_size " +
+         std::to_string(c.page_size) + " stride_pad " + std::to_string(c.stride_pad) + " row_pad " +
+         std::to_string(c.row_pad) + " offset " + std::to_string(c.src_offset) + " n " +
+         std::to_string(c.n);
 }
 
 // Row r of the source: mostly N(0, 0.1^2) rows at scales 2^-30 .. 2^30, plus rows that hit the
@@ -117,9 +117,15 @@ void source_row(ref::Rng& rng, int64_t r, int d, float* v) {
   const float k = std::ldexp(1.0f, static_cast<int>(rng.between(-30, 30)));
   for (int j = 0; j < d; ++j) v[j] *= k;
   switch (r % 17) {
-    case 0: std::fill(v, v + d, 0.f); break;
-    case 1: v[rng.below(d)] = std::numeric_limits<float>::quiet_NaN(); break;
-    case 2: v[rng.below(d)] = std::numeric_limits<float>::infinity(); break;
+    case 0:
+      std::fill(v, v + d, 0.f);
+      break;
+    case 1:
+      v[rng.below(d)] = std::numeric_limits<float>::quiet_NaN();
+      break;
+    case 2:
+      v[rng.below(d)] = std::numeric_limits<float>::infinity();
+      break;
     case 3:
       v[rng.below(d)] = -std::numeric_limits<float>::infinity();
       v[rng.below(d)] = -std::numeric_limits<float>::quiet_NaN();
@@ -148,7 +154,8 @@ void source_row(ref::Rng& rng, int64_t r, int d, float* v) {
         if (j % 64 == 0) v[j] = j % 128 ? -448.f : 448.f;
       }
       break;
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -249,7 +256,8 @@ std::string describe(const DequantizeCase& c) {
 }
 
 uint32_t element_bits(const ref::HostTensor& t, int64_t r, int64_t j) {
-  const uint8_t* p = static_cast<const uint8_t*>(t.data()) + t.offset({r, j}) * dtype_size(t.dtype());
+  const uint8_t* p =
+      static_cast<const uint8_t*>(t.data()) + t.offset({r, j}) * dtype_size(t.dtype());
   uint32_t v = 0;
   std::memcpy(&v, p, dtype_size(t.dtype()));
   return v;
@@ -343,8 +351,8 @@ TEST(CudaKV, DequantizeMatchesCpuAndReference) {
       for (int64_t ps : {1, 2, 53, 61, 64, 69, 256}) {
         run_dequantize_case({fh.f, fh.heads, ps, 0, out}, seed + ps);
       }
-      run_dequantize_case({fh.f, fh.heads, 64, 32, out, 8}, seed + 1);       // padded
-      run_dequantize_case({fh.f, fh.heads, 53, 0, out, 1}, seed + 2);        // unaligned rows
+      run_dequantize_case({fh.f, fh.heads, 64, 32, out, 8}, seed + 1);  // padded
+      run_dequantize_case({fh.f, fh.heads, 53, 0, out, 1}, seed + 2);   // unaligned rows
       run_dequantize_case({fh.f, fh.heads, 61, 16, out, 0, dtype_size(out)}, seed + 3);
       run_dequantize_case({fh.f, fh.heads, 64, 0, out, 0, 0, true}, seed + 4);  // fuzz
       run_dequantize_case({fh.f, fh.heads, 69, 16, out, 3, 0, true}, seed + 5);
@@ -369,8 +377,8 @@ struct RepackCase {
 std::string describe(const RepackCase& c) {
   return std::string(kv_format_name(c.format)) + " heads " + std::to_string(c.heads) + " pages " +
          std::to_string(c.src_page_size) + " -> " + std::to_string(c.dst_page_size) + " pads " +
-         std::to_string(c.src_pad) + "/" + std::to_string(c.dst_pad) + " b " +
-         std::to_string(c.b) + " max_len " + std::to_string(c.max_len);
+         std::to_string(c.src_pad) + "/" + std::to_string(c.dst_pad) + " b " + std::to_string(c.b) +
+         " max_len " + std::to_string(c.max_len);
 }
 
 ref::HostTensor table_like(const ref::HostTensor& t, bool padded) {
@@ -401,7 +409,8 @@ void run_repack_case(const RepackCase& c, uint64_t seed) {
     for (ref::HostTensor* t : {&sbt, &dbt}) {
       const int64_t pages = t == &sbt ? src_pages : dst_pages;
       t->for_each_index([&](const std::vector<int64_t>& i) {
-        if (rng.uniform() < 0.08) t->set({i[0], i[1]}, rng.below(2) ? -1 : out_of_range_slot(rng, pages));
+        if (rng.uniform() < 0.08)
+          t->set({i[0], i[1]}, rng.below(2) ? -1 : out_of_range_slot(rng, pages));
       });
     }
   }
@@ -437,8 +446,8 @@ void run_repack_case(const RepackCase& c, uint64_t seed) {
   }
 
   ref::HostCache cpu = dst;
-  ASSERT_TRUE(repack_pages({src.desc(), cpu.desc(), sbt.view(), dbt.view(), seqlens.view()}, kCPU)
-                  .ok());
+  ASSERT_TRUE(
+      repack_pages({src.desc(), cpu.desc(), sbt.view(), dbt.view(), seqlens.view()}, kCPU).ok());
   EXPECT_TRUE(same_bytes({image(cpu), image(cpu) + cpu.bytes()}, want.data(), dk))
       << "CPU backend vs model";
 
@@ -460,8 +469,8 @@ void run_repack_case(const RepackCase& c, uint64_t seed) {
 TEST(CudaKV, RepackMatchesCpuAndByteModel) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = gpu_test::test_seed();
-  const std::pair<int64_t, int64_t> sizes[] = {{256, 64}, {64, 256}, {53, 61}, {61, 53},
-                                               {2, 69},   {69, 2},   {1, 2},   {2, 1},
+  const std::pair<int64_t, int64_t> sizes[] = {{256, 64}, {64, 256},  {53, 61}, {61, 53},
+                                               {2, 69},   {69, 2},    {1, 2},   {2, 1},
                                                {64, 64},  {256, 256}, {69, 1}};
   struct Fmt {
     KVFormat f;
@@ -542,8 +551,7 @@ TEST(CudaKV, MissingDeviceIsAnError) {
   DeviceKV dkv = gpu_test::to_device(cache.desc());
   ref::HostTensor slots = ref::make_int_tensor({0});
   DeviceTensor dslots = gpu_test::to_device(slots.view());
-  DeviceTensor dout =
-      gpu_test::poisoned_like(ref::make_tensor(DType::kFloat32, {1, kDV}).view());
+  DeviceTensor dout = gpu_test::poisoned_like(ref::make_tensor(DType::kFloat32, {1, kDV}).view());
   const Device missing{DeviceType::kCUDA, 97};
   dkv.kv.device = missing;
   dslots.view.device = missing;

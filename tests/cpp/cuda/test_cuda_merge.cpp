@@ -67,17 +67,16 @@ struct Layouts {
   ref::Layout parts = ref::Layout::kContiguous;
   ref::Layout lse_parts = ref::Layout::kContiguous;
   ref::Layout out = ref::Layout::kContiguous;
-  bool flash_lse = false;  // lse as a [b, h_q, s_q] view of a [b, s_q, h_q] buffer
+  bool flash_lse = false;   // lse as a [b, h_q, s_q] view of a [b, s_q, h_q] buffer
   size_t parts_offset = 0;  // bytes past a 16-byte boundary (element-aligned views)
   size_t out_offset = 0;
 };
 
 std::string describe(const ref::MergeCaseConfig& c) {
   return "n " + std::to_string(c.n) + " b " + std::to_string(c.b) + " s_q " +
-         std::to_string(c.s_q) + " h_q " + std::to_string(c.h_q) + " d_v " +
-         std::to_string(c.d_v) + " parts " + dtype_name(c.parts_dtype) + " out " +
-         dtype_name(c.out_dtype) + " empty " + std::to_string(c.empty_fraction) +
-         (c.use_sink ? " sink" : "");
+         std::to_string(c.s_q) + " h_q " + std::to_string(c.h_q) + " d_v " + std::to_string(c.d_v) +
+         " parts " + dtype_name(c.parts_dtype) + " out " + dtype_name(c.out_dtype) + " empty " +
+         std::to_string(c.empty_fraction) + (c.use_sink ? " sink" : "");
 }
 
 // Runs the case on the GPU (twice: results must be bitwise identical) and checks it against
@@ -265,9 +264,8 @@ TEST(CudaMerge, IsGraphCapturable) {
   cudaGraphDestroy(graph);
   gpu_test::copy_to_host(dout, c.out.view());
   gpu_test::copy_to_host(dlse, c.lse.view());
-  const ref::CompareResult r = ref::compare_outputs(c.out.view(), c.lse.view(),
-                                                    ref::merge_reference(c.args()),
-                                                    ref::Tolerance::sparse());
+  const ref::CompareResult r = ref::compare_outputs(
+      c.out.view(), c.lse.view(), ref::merge_reference(c.args()), ref::Tolerance::sparse());
   EXPECT_TRUE(r.ok) << r.message;
 }
 
