@@ -43,13 +43,20 @@ int64_t clamped_length(const Source& src, int64_t i) {
   return std::clamp<int64_t>(*detail::element<const int32_t>(*src.lengths, i), 0, src.topk);
 }
 
-// Cache lines of a slot's data (row, and the footer scales for MODEL1) are fetched ahead of use:
-// the gather is a chain of independent random reads.
-void prefetch_slot(const Source& src, int64_t slot, int row_bytes) {
+// A slot's cache lines (its row, and its footer scales for MODEL1) are fetched a few entries
+// ahead: the gather is a chain of independent random reads.
+void prefetch_slot(const Source& src, int64_t slot, KVFormat format) {
   const int64_t page = slot / src.page_size;
   const int64_t t = slot - page * src.page_size;
-  const uint8_t* row = src.data + page * src.page_stride + t * row_bytes;
-  for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+  const uint8_t* base = src.data + page * src.page_stride;
+  if (format == KVFormat::kModel1) {
+    const uint8_t* row = base + fmt::model1_row_offset(t);
+    for (int off = 0; off < kModel1RowBytes; off += 64) __builtin_prefetch(row + off);
+    __builtin_prefetch(base + fmt::model1_scale_offset(src.page_size, t));
+  } else {
+    const uint8_t* row = base + t * kV32BytesPerToken;
+    for (int off = 0; off < kV32BytesPerToken; off += 64) __builtin_prefetch(row + off);
+  }
 }
 
 }  // namespace
@@ -66,7 +73,6 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p)
     sources[num_sources++] =
         make_source(*args.extra_kv, *args.extra_indices, args.extra_topk_length, p.extra_topk, k);
   }
-  const int row_bytes = args.kv.format == KVFormat::kModel1 ? kModel1RowBytes : kV32BytesPerToken;
 
   // With fewer (request, token) pairs than threads, heads are split too. This costs repeated
   // gathers but leaves results bitwise unchanged (rows are independent).
@@ -104,12 +110,12 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p)
         constexpr int kAhead = 4;
         for (int64_t e = 0; e < std::min<int64_t>(kAhead, len); ++e) {
           const int64_t slot = *detail::element<const int32_t>(*src.indices, i, s, e);
-          if (slot >= 0 && slot < src.num_slots) prefetch_slot(src, slot, row_bytes);
+          if (slot >= 0 && slot < src.num_slots) prefetch_slot(src, slot, args.kv.format);
         }
         for (int64_t e = 0; e < len; ++e) {
           if (e + kAhead < len) {
             const int64_t ahead = *detail::element<const int32_t>(*src.indices, i, s, e + kAhead);
-            if (ahead >= 0 && ahead < src.num_slots) prefetch_slot(src, ahead, row_bytes);
+            if (ahead >= 0 && ahead < src.num_slots) prefetch_slot(src, ahead, args.kv.format);
           }
           const int64_t slot = *detail::element<const int32_t>(*src.indices, i, s, e);
           if (slot < 0 || slot >= src.num_slots) continue;  // -1 or out of range: skipped
