@@ -1,13 +1,17 @@
 // Device discovery for the CUDA backends.
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "src/cuda/cuda_backend.h"
 
 namespace sparse_mla::cuda {
 
-bool device_usable(int device_index, std::string* why_not) {
+namespace {
+
+bool query_device_usable(int device_index, std::string* why_not) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -32,6 +36,26 @@ bool device_usable(int device_index, std::string* why_not) {
     return false;
   }
   why_not->clear();
+  return true;
+}
+
+}  // namespace
+
+// Every decode call asks this; cudaGetDeviceProperties costs microseconds, and the answer for a
+// device that exists cannot change while the process runs, so positive answers are cached.
+bool device_usable(int device_index, std::string* why_not) {
+  static std::mutex mu;
+  static std::set<int> usable;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (usable.count(device_index)) {
+      why_not->clear();
+      return true;
+    }
+  }
+  if (!query_device_usable(device_index, why_not)) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  usable.insert(device_index);
   return true;
 }
 

@@ -65,20 +65,49 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
     for (int e = 0; e < kDimsPerLane; ++e) acc[e] = NAN;
   } else if (mx != -INFINITY) {
+    // Weights of 32 parts at a time live in the lanes; the loads of 4 parts are issued together
+    // (the loop is latency-bound otherwise). Parts are added in index order: deterministic.
     float w_sum = 0.f;
-    for (int k = 0; k < n; ++k) w_sum += ptx::exp2_approx(lse_k[k * stride] - mx);
-    const float inv = 1.f / w_sum;
-    for (int k = 0; k < n; ++k) {
-      const float w = ptx::exp2_approx(lse_k[k * stride] - mx) * inv;
-      if (w == 0.f) continue;  // empty part: its zeros add nothing
-      const float4* src = reinterpret_cast<const float4*>(out_k + k * stride * kDV) + lane * 4;
+    for (int k = lane; k < n; k += 32) w_sum += ptx::exp2_approx(lse_k[k * stride] - mx);
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const float4 x = src[v];
-        acc[4 * v + 0] += w * x.x;
-        acc[4 * v + 1] += w * x.y;
-        acc[4 * v + 2] += w * x.z;
-        acc[4 * v + 3] += w * x.w;
+    for (int d = 16; d >= 1; d >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, d);
+    const float inv = 1.f / w_sum;
+    for (int k0 = 0; k0 < n; k0 += 32) {
+      const int cnt = min(32, n - k0);
+      const float w_lane =
+          lane < cnt ? ptx::exp2_approx(lse_k[(k0 + lane) * stride] - mx) * inv : 0.f;
+      const float4* src = reinterpret_cast<const float4*>(out_k + k0 * stride * kDV) + lane * 4;
+      const int64_t part_step = stride * kDV / 4;  // float4s between consecutive parts
+      int kk = 0;
+      for (; kk + 4 <= cnt; kk += 4) {
+        float4 x[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) x[u][v] = src[(kk + u) * part_step + v];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float w = __shfl_sync(0xffffffffu, w_lane, kk + u);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            acc[4 * v + 0] += w * x[u][v].x;
+            acc[4 * v + 1] += w * x[u][v].y;
+            acc[4 * v + 2] += w * x[u][v].z;
+            acc[4 * v + 3] += w * x[u][v].w;
+          }
+        }
+      }
+      for (; kk < cnt; ++kk) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, kk);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const float4 x = src[kk * part_step + v];
+          acc[4 * v + 0] += w * x.x;
+          acc[4 * v + 1] += w * x.y;
+          acc[4 * v + 2] += w * x.z;
+          acc[4 * v + 3] += w * x.w;
+        }
       }
     }
     lse = (mx + log2f(w_sum)) * 0.693147180559945309f;
