@@ -154,7 +154,8 @@ def sparse_decode(q, k_cache, indices, *, topk_length=None, extra_k_cache=None,
     _ext.sparse_decode(**_sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache,
                                         extra_indices, extra_topk_length, attn_sink,
                                         softmax_scale),
-                       out=_arrays.native(out), lse=lse, plan=plan, scratch=scratch,
+                       out=_arrays.native(out), lse=_arrays.native(lse),
+                       plan=_arrays.native(plan), scratch=_arrays.native(scratch),
                        allocate=None if workspace is not None else _allocator(q),
                        backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
@@ -188,7 +189,8 @@ def sparse_decode_plan(q, k_cache, indices, *, topk_length=None, extra_k_cache=N
     if workspace is None:
         sizes = _ext.sparse_decode_workspace_size(**inputs, backend=_backend(backend))
         workspace = _new_workspace(q, WorkspaceSizes(*sizes))
-    _ext.sparse_decode_plan(**inputs, plan=workspace.plan, scratch=workspace.scratch,
+    _ext.sparse_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
+                            scratch=_arrays.native(workspace.scratch),
                             backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return workspace
 
@@ -240,7 +242,8 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, *, causal: bool = False
     plan, scratch = _workspace_args(workspace)
     _ext.dense_decode(**_dense_inputs(q, k_cache, block_table, cache_seqlens, causal,
                                       softmax_scale),
-                      out=_arrays.native(out), lse=lse, plan=plan, scratch=scratch,
+                      out=_arrays.native(out), lse=_arrays.native(lse),
+                      plan=_arrays.native(plan), scratch=_arrays.native(scratch),
                       allocate=None if workspace is not None else _allocator(q),
                       backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
@@ -266,7 +269,8 @@ def dense_decode_plan(q, k_cache, block_table, cache_seqlens, *, causal: bool = 
     if workspace is None:
         sizes = _ext.dense_decode_workspace_size(**inputs, backend=_backend(backend))
         workspace = _new_workspace(q, WorkspaceSizes(*sizes))
-    _ext.dense_decode_plan(**inputs, plan=workspace.plan, scratch=workspace.scratch,
+    _ext.dense_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
+                           scratch=_arrays.native(workspace.scratch),
                            backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return workspace
 
@@ -319,7 +323,8 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     if lse is None:
         lse = _arrays.lse_like(out_parts, b, s_q, h_q)
     _ext.merge_attention(_arrays.native(out_parts), _arrays.native(lse_parts),
-                         attn_sink=_arrays.native(attn_sink), out=_arrays.native(out), lse=lse,
+                         attn_sink=_arrays.native(attn_sink), out=_arrays.native(out),
+                         lse=_arrays.native(lse),
                          backend=_backend(backend),
                          stream=_arrays.stream_for(out_parts, stream))
     return _arrays.finish(out_parts, out), _arrays.finish(out_parts, lse)

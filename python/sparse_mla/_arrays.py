@@ -26,30 +26,63 @@ _NUMPY_DTYPES = {
 _RAW_VIEW = {1: np.uint8, 2: np.uint16}
 
 
-def framework(x: Any) -> str:
-    """'numpy', 'torch', 'cupy' or 'other' (anything else that speaks DLPack)."""
-    t = type(x)
-    if t is np.ndarray:
-        return "numpy"
+_FRAMEWORK_OF_TYPE: dict = {np.ndarray: "numpy"}
+# torch dtype name -> the library's DType code (include/sparse_mla/tensor.h); uint16 = bf16 bits
+_TORCH_DTYPE_CODES = {"uint8": 0, "int32": 1, "float32": 2, "bfloat16": 3, "float16": 4,
+                      "float8_e4m3fn": 5, "uint16": 3}
+_torch_codes: dict = {}
+
+
+def _framework_of_type(t: type) -> str:
     module = t.__module__
-    if module.startswith("torch"):
+    if module.startswith("torch") and issubclass(t, sys.modules["torch"].Tensor):
         return "torch"
     if module.startswith("cupy"):
         return "cupy"
-    if isinstance(x, np.ndarray):
+    if issubclass(t, np.ndarray):
         return "numpy"
     return "other"
 
 
+def framework(x: Any) -> str:
+    """'numpy', 'torch', 'cupy' or 'other' (anything else that speaks DLPack)."""
+    t = type(x)
+    fw = _FRAMEWORK_OF_TYPE.get(t)
+    if fw is None:
+        fw = _FRAMEWORK_OF_TYPE[t] = _framework_of_type(t)
+    return fw
+
+
+def _torch_code(dtype: Any) -> Optional[int]:
+    code = _torch_codes.get(dtype, -1)
+    if code == -1:
+        code = _torch_codes[dtype] = _TORCH_DTYPE_CODES.get(str(dtype).replace("torch.", ""))
+    return code
+
+
 def native(x: Any) -> Any:
-    """The object handed to the extension: numpy arrays of ml_dtypes types (bfloat16,
-    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them; torch tensors
-    that require grad travel detached (the ops are not differentiable)."""
-    if type(x) is np.ndarray:
+    """The object handed to the extension. numpy arrays of ml_dtypes types (bfloat16,
+    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them. torch tensors
+    travel as (data_ptr, dtype code, shape, strides, device) descriptors: reading those is
+    several times cheaper than a DLPack export, and works for tensors that require grad."""
+    fw = framework(x)
+    if fw == "numpy":
         return x.view(_RAW_VIEW[x.dtype.itemsize]) if x.dtype.kind == "V" else x
-    if getattr(x, "requires_grad", False):  # torch refuses to export those through DLPack
-        return x.detach()
+    if fw == "torch":
+        code = _torch_code(x.dtype)
+        if code is not None and x.layout is _torch_strided() and (x.is_cuda or x.is_cpu):
+            return (x.data_ptr(), code, x.shape, x.stride(), x.get_device())
     return x
+
+
+_strided = None
+
+
+def _torch_strided():
+    global _strided
+    if _strided is None:
+        _strided = sys.modules["torch"].strided
+    return _strided
 
 
 def _torch_dtype(name: str) -> Any:

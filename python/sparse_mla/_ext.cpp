@@ -98,6 +98,7 @@ std::string dlpack_dtype_string(nb::dlpack::dtype d) {
 class Arrays {
  public:
   TensorView input(nb::handle obj, const char* name) {
+    if (nb::isinstance<nb::tuple>(obj)) return descriptor(obj, name);
     nb::ndarray<nb::ro> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, false);
     TensorView t = view(a, name);
@@ -106,6 +107,7 @@ class Arrays {
   }
 
   TensorView output(nb::handle obj, const char* name) {
+    if (nb::isinstance<nb::tuple>(obj)) return descriptor(obj, name);
     nb::ndarray<> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, true);
     TensorView t = view(a, name);
@@ -141,6 +143,11 @@ class Arrays {
   // Pointer and size in bytes of a workspace buffer (any dtype, contiguous), or none.
   std::pair<void*, size_t> buffer(nb::handle obj, const char* name) {
     if (obj.is_none()) return {nullptr, 0};
+    if (nb::isinstance<nb::tuple>(obj)) {
+      TensorView t = descriptor(obj, name);
+      if (!t.is_contiguous()) throw nb::value_error((std::string(name) + ": not contiguous").c_str());
+      return {t.data, static_cast<size_t>(t.numel()) * dtype_size(t.dtype)};
+    }
     nb::ndarray<> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, true);
     if (!is_contiguous(a)) throw nb::value_error((std::string(name) + ": not contiguous").c_str());
@@ -155,6 +162,40 @@ class Arrays {
                       (writable ? "a writable array" : "an array") +
                       " (DLPack or buffer protocol), got " + type_name_of(obj);
     throw nb::type_error(msg.c_str());
+  }
+
+  // (data_ptr, dtype code, shape, strides, device): how the Python layer describes a torch
+  // tensor, several times cheaper than a DLPack export. The dtype code is a DType value; device
+  // -1 is the CPU, else a CUDA ordinal. The caller keeps the tensor alive during the call.
+  static TensorView descriptor(nb::handle obj, const char* name) {
+    nb::tuple d = nb::borrow<nb::tuple>(obj);
+    if (d.size() != 5) {
+      throw nb::type_error((std::string(name) + ": a tensor descriptor has 5 fields, got " +
+                            std::to_string(d.size())).c_str());
+    }
+    TensorView t;
+    t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(d[0]));
+    const int code = nb::cast<int>(d[1]);
+    if (code < 0 || code > static_cast<int>(DType::kFloat8E4M3)) {
+      throw nb::type_error((std::string(name) + ": unknown dtype code " + std::to_string(code))
+                               .c_str());
+    }
+    t.dtype = static_cast<DType>(code);
+    const int device = nb::cast<int>(d[4]);
+    t.device = device < 0 ? Device{DeviceType::kCPU, 0} : Device{DeviceType::kCUDA, device};
+    nb::sequence shape = nb::borrow<nb::sequence>(d[2]);
+    nb::sequence strides = nb::borrow<nb::sequence>(d[3]);
+    const size_t ndim = nb::len(shape);
+    if (ndim > static_cast<size_t>(kMaxDims) || nb::len(strides) != ndim) {
+      throw nb::value_error((std::string(name) + ": rank " + std::to_string(ndim) +
+                             ", expected at most " + std::to_string(kMaxDims)).c_str());
+    }
+    t.ndim = static_cast<int>(ndim);
+    for (size_t i = 0; i < ndim; ++i) {
+      t.shape[i] = nb::cast<int64_t>(shape[i]);
+      t.strides[i] = nb::cast<int64_t>(strides[i]);
+    }
+    return t;
   }
 
   template <typename A>

@@ -224,15 +224,17 @@ def flash_mla_with_kvcache(
                       softmax_scale=softmax_scale)
         size, plan, run = (_ext.dense_decode_workspace_size, _ext.dense_decode_plan,
                            _ext.dense_decode)
+    native = _sm._arrays.native
+    inputs = {name: native(value) for name, value in inputs.items()}
     if meta.tile_scheduler_metadata is None:
         plan_bytes, scratch_bytes = size(**inputs)
         meta.tile_scheduler_metadata = torch.empty(plan_bytes, dtype=torch.uint8,
                                                    device=q.device)
         meta.num_splits = torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device)
-        plan(**inputs, plan=meta.tile_scheduler_metadata, scratch=meta.num_splits,
-             stream=stream)
-    run(**inputs, out=out, lse=lse, plan=meta.tile_scheduler_metadata, scratch=meta.num_splits,
-        stream=stream)
+        plan(**inputs, plan=native(meta.tile_scheduler_metadata),
+             scratch=native(meta.num_splits), stream=stream)
+    run(**inputs, out=native(out), lse=native(lse), plan=native(meta.tile_scheduler_metadata),
+        scratch=native(meta.num_splits), stream=stream)
     return out, lse
 
 

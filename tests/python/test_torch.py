@@ -253,3 +253,15 @@ def test_tensors_that_require_grad_are_accepted():
     out, lse = sm.sparse_decode(q, kw["k_cache"], kw["indices"])
     assert not out.requires_grad
     assert_close(out, lse, *reference_of(p))
+
+
+def test_torch_errors_name_the_argument():
+    p = sparse_problem(71, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    with pytest.raises(TypeError, match="indices: dtype int64"):
+        sm.sparse_decode(kw["q"], kw["k_cache"], kw["indices"].long())
+    with pytest.raises(TypeError, match="q: dtype float32, expected bfloat16"):
+        sm.sparse_decode(kw["q"].float(), kw["k_cache"], kw["indices"])
+    with pytest.raises(ValueError, match="q: last dim stride 2"):
+        sm.sparse_decode(torch.cat([kw["q"], kw["q"]], -1)[..., ::2], kw["k_cache"],
+                         kw["indices"])
