@@ -137,6 +137,8 @@ def test_cuda_graph_with_the_native_plan_run_split():
                       torch.empty(sizes.scratch_bytes, dtype=torch.uint8, device=DEV))
     out = torch.empty(3, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
     lse = torch.empty(3, 16, 1, device=DEV)
+    sm.sparse_decode_plan(q, cache, idx, workspace=ws, **kw)  # warm-up outside the graph
+    sm.sparse_decode(q, cache, idx, workspace=ws, out=out, lse=lse, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
