@@ -54,14 +54,21 @@ void translate_status_error(const std::exception_ptr& p, void*) {
         // Wrong dtypes are TypeErrors; everything else (shapes, strides, values) ValueErrors.
         type = msg.find(": dtype ") != std::string::npos ? PyExc_TypeError : PyExc_ValueError;
         break;
-      case StatusCode::kUnsupported: type = g_unsupported_error; break;
-      default: type = PyExc_RuntimeError; break;
+      case StatusCode::kUnsupported:
+        type = g_unsupported_error;
+        break;
+      default:
+        type = PyExc_RuntimeError;
+        break;
     }
     PyErr_SetString(type, msg.c_str());
   }
 }
 
 std::string type_name_of(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+
+// kDLFloat8_e4m3fn of DLPack 1.1 (spelled out: older nanobind releases do not name it).
+constexpr uint8_t kDLPackFloat8E4M3FN = 10;
 
 // DLPack dtype -> library dtype. uint16 is the raw-bits convention for bfloat16 (numpy has no
 // bfloat16); float8_e4m3fn and uint8 both describe FP8 cache bytes.
@@ -75,7 +82,7 @@ std::optional<DType> to_dtype(nb::dlpack::dtype d) {
   if (code == C::Float && d.bits == 32) return DType::kFloat32;
   if (code == C::Float && d.bits == 16) return DType::kFloat16;
   if (code == C::Bfloat && d.bits == 16) return DType::kBFloat16;
-  if (code == C::Float8_E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
+  if (d.code == kDLPackFloat8E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
   return std::nullopt;
 }
 
@@ -83,13 +90,26 @@ std::string dlpack_dtype_string(nb::dlpack::dtype d) {
   using C = nb::dlpack::dtype_code;
   const char* kind = "";
   switch (static_cast<C>(d.code)) {
-    case C::Int: kind = "int"; break;
-    case C::UInt: kind = "uint"; break;
-    case C::Float: kind = "float"; break;
-    case C::Bfloat: kind = "bfloat"; break;
-    case C::Complex: kind = "complex"; break;
-    case C::Bool: kind = "bool"; break;
-    default: return "dlpack code " + std::to_string(d.code) + " bits " + std::to_string(d.bits);
+    case C::Int:
+      kind = "int";
+      break;
+    case C::UInt:
+      kind = "uint";
+      break;
+    case C::Float:
+      kind = "float";
+      break;
+    case C::Bfloat:
+      kind = "bfloat";
+      break;
+    case C::Complex:
+      kind = "complex";
+      break;
+    case C::Bool:
+      kind = "bool";
+      break;
+    default:
+      return "dlpack code " + std::to_string(d.code) + " bits " + std::to_string(d.bits);
   }
   return std::string(kind) + std::to_string(d.bits);
 }
@@ -145,7 +165,8 @@ class Arrays {
     if (obj.is_none()) return {nullptr, 0};
     if (nb::isinstance<nb::tuple>(obj)) {
       TensorView t = descriptor(obj, name);
-      if (!t.is_contiguous()) throw nb::value_error((std::string(name) + ": not contiguous").c_str());
+      if (!t.is_contiguous())
+        throw nb::value_error((std::string(name) + ": not contiguous").c_str());
       return {t.data, static_cast<size_t>(t.numel()) * dtype_size(t.dtype)};
     }
     nb::ndarray<> a;
@@ -171,14 +192,15 @@ class Arrays {
     nb::tuple d = nb::borrow<nb::tuple>(obj);
     if (d.size() != 5) {
       throw nb::type_error((std::string(name) + ": a tensor descriptor has 5 fields, got " +
-                            std::to_string(d.size())).c_str());
+                            std::to_string(d.size()))
+                               .c_str());
     }
     TensorView t;
     t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(d[0]));
     const int code = nb::cast<int>(d[1]);
     if (code < 0 || code > static_cast<int>(DType::kFloat8E4M3)) {
-      throw nb::type_error((std::string(name) + ": unknown dtype code " + std::to_string(code))
-                               .c_str());
+      throw nb::type_error(
+          (std::string(name) + ": unknown dtype code " + std::to_string(code)).c_str());
     }
     t.dtype = static_cast<DType>(code);
     const int device = nb::cast<int>(d[4]);
@@ -188,7 +210,8 @@ class Arrays {
     const size_t ndim = nb::len(shape);
     if (ndim > static_cast<size_t>(kMaxDims) || nb::len(strides) != ndim) {
       throw nb::value_error((std::string(name) + ": rank " + std::to_string(ndim) +
-                             ", expected at most " + std::to_string(kMaxDims)).c_str());
+                             ", expected at most " + std::to_string(kMaxDims))
+                                .c_str());
     }
     t.ndim = static_cast<int>(ndim);
     for (size_t i = 0; i < ndim; ++i) {
@@ -225,7 +248,9 @@ class Arrays {
     }
     switch (a.device_type()) {
       case nb::device::cpu::value:
-      case nb::device::cuda_host::value: t.device = {DeviceType::kCPU, 0}; break;
+      case nb::device::cuda_host::value:
+        t.device = {DeviceType::kCPU, 0};
+        break;
       case nb::device::cuda::value:
       case nb::device::cuda_managed::value:
         t.device = {DeviceType::kCUDA, static_cast<int>(a.device_id())};
@@ -341,7 +366,14 @@ void cuda_free(void* p) noexcept { cudaFree(p); }
 
 // Fresh uninitialised memory as a DLPack-capable array, for callers whose array library we do
 // not know how to allocate with (the array is handed to its from_dlpack).
-nb::ndarray<nb::array_api> empty(std::vector<size_t> shape, const std::string& dtype, bool cuda, int device) {
+// nb::array_api (nanobind >= 2.2) returns an object with __dlpack__; older ones a capsule.
+#if NB_VERSION_MAJOR > 2 || (NB_VERSION_MAJOR == 2 && NB_VERSION_MINOR >= 2)
+using DLPackArray = nb::ndarray<nb::array_api>;
+#else
+using DLPackArray = nb::ndarray<>;
+#endif
+
+DLPackArray empty(std::vector<size_t> shape, const std::string& dtype, bool cuda, int device) {
   using C = nb::dlpack::dtype_code;
   nb::dlpack::dtype dt{};
   dt.lanes = 1;
@@ -356,8 +388,8 @@ nb::ndarray<nb::array_api> empty(std::vector<size_t> shape, const std::string& d
   } else if (dtype == "uint8") {
     dt.code = static_cast<uint8_t>(C::UInt), dt.bits = 8;
   } else {
-    throw nb::value_error(("dtype: '" + dtype +
-                           "', expected bfloat16, float16, float32, int32 or uint8").c_str());
+    throw nb::value_error(
+        ("dtype: '" + dtype + "', expected bfloat16, float16, float32, int32 or uint8").c_str());
   }
   const size_t elem = dt.bits / 8;
   size_t bytes = elem;
@@ -386,8 +418,8 @@ nb::ndarray<nb::array_api> empty(std::vector<size_t> shape, const std::string& d
     owner = nb::capsule(p, [](void* q) noexcept { std::free(q); });
   }
   const int device_type = cuda ? nb::device::cuda::value : nb::device::cpu::value;
-  return nb::ndarray<nb::array_api>(p, shape.size(), shape.data(), owner, nullptr, dt, device_type,
-                       cuda ? device : 0);
+  return DLPackArray(p, shape.size(), shape.data(), owner, nullptr, dt, device_type,
+                     cuda ? device : 0);
 }
 
 }  // namespace
@@ -395,8 +427,8 @@ nb::ndarray<nb::array_api> empty(std::vector<size_t> shape, const std::string& d
 NB_MODULE(_ext, m) {
   m.doc() = "sparse-mla C++ API over DLPack (use the sparse_mla package, not this module)";
 
-  g_unsupported_error = PyErr_NewException("sparse_mla.UnsupportedError",
-                                           PyExc_NotImplementedError, nullptr);
+  g_unsupported_error =
+      PyErr_NewException("sparse_mla.UnsupportedError", PyExc_NotImplementedError, nullptr);
   m.attr("UnsupportedError") = nb::handle(g_unsupported_error);
   nb::register_exception_translator(translate_status_error);
 
@@ -406,238 +438,253 @@ NB_MODULE(_ext, m) {
   m.attr("cuda_built") = false;
 #endif
 
-  m.def("available_backends", [] {
-    std::vector<std::string> names;
-    for (Backend b : available_backends()) names.emplace_back(backend_name(b));
-    return names;
-  }, "Backends compiled in and usable on this machine ('cpu' always).");
+  m.def(
+      "available_backends",
+      [] {
+        std::vector<std::string> names;
+        for (Backend b : available_backends()) names.emplace_back(backend_name(b));
+        return names;
+      },
+      "Backends compiled in and usable on this machine ('cpu' always).");
 
   m.def("empty", &empty, "shape"_a, "dtype"_a, "cuda"_a = false, "device"_a = 0,
         "Uninitialised memory as a DLPack-capable array (CPU or CUDA).");
 
   // ---- sparse decode ----
-#define SPARSE_PARAMS                                                                         \
-  nb::handle q, nb::handle k_cache, nb::handle indices, nb::handle topk_length,               \
-      nb::handle extra_k_cache, nb::handle extra_indices, nb::handle extra_topk_length,       \
+#define SPARSE_PARAMS                                                                   \
+  nb::handle q, nb::handle k_cache, nb::handle indices, nb::handle topk_length,         \
+      nb::handle extra_k_cache, nb::handle extra_indices, nb::handle extra_topk_length, \
       nb::handle attn_sink, std::optional<double> softmax_scale, nb::handle out, nb::handle lse
-#define SPARSE_ARGS                                                                            \
+#define SPARSE_ARGS                                                                             \
   q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, attn_sink, \
       softmax_scale, out, lse
-#define SPARSE_NAMES                                                                          \
-  "q"_a, "k_cache"_a, "indices"_a, "topk_length"_a = nb::none(),                              \
-      "extra_k_cache"_a = nb::none(), "extra_indices"_a = nb::none(),                         \
-      "extra_topk_length"_a = nb::none(), "attn_sink"_a = nb::none(),                         \
-      "softmax_scale"_a = nb::none(), "out"_a = nb::none(), "lse"_a = nb::none()
+#define SPARSE_NAMES                                                                               \
+  "q"_a, "k_cache"_a, "indices"_a, "topk_length"_a = nb::none(), "extra_k_cache"_a = nb::none(),   \
+                                   "extra_indices"_a = nb::none(),                                 \
+                                   "extra_topk_length"_a = nb::none(), "attn_sink"_a = nb::none(), \
+                                   "softmax_scale"_a = nb::none(), "out"_a = nb::none(),           \
+                                   "lse"_a = nb::none()
 
-  m.def("sparse_decode_workspace_size",
-        [](SPARSE_PARAMS, const std::string& backend) {
-          SparseCall c;
+  m.def(
+      "sparse_decode_workspace_size",
+      [](SPARSE_PARAMS, const std::string& backend) {
+        SparseCall c;
+        build_sparse(c, SPARSE_ARGS, false);
+        WorkspaceSizes sizes;
+        check(sparse_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
+        return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
+      },
+      SPARSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a sparse decode.");
+
+  m.def(
+      "sparse_decode_supported",
+      [](SPARSE_PARAMS, const std::string& backend) {
+        SparseCall c;
+        try {
           build_sparse(c, SPARSE_ARGS, false);
+        } catch (const StatusError& e) {
+          return support_result(e.status, Backend::kAuto);
+        } catch (const nb::builtin_exception& e) {
+          return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
+        }
+        Backend chosen = Backend::kAuto;
+        Options o;
+        Status s = parse_backend(backend, &o.backend);
+        if (s.ok()) s = sparse_decode_supported(c.args, o, &chosen);
+        return support_result(s, chosen);
+      },
+      SPARSE_NAMES, "backend"_a = "auto",
+      "(ok, backend, reason): whether and where a sparse decode can run.");
+
+  m.def(
+      "sparse_decode_plan",
+      [](SPARSE_PARAMS, nb::handle plan, nb::handle scratch, const std::string& backend,
+         uintptr_t stream) {
+        SparseCall c;
+        build_sparse(c, SPARSE_ARGS, false);
+        Workspace ws = make_workspace(c.arrays, plan, scratch);
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(sparse_decode_plan(c.args, ws, o));
+      },
+      SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
+      "stream"_a = 0, "Fills the plan buffer for a sparse decode (on the device, graph-safe).");
+
+  m.def(
+      "sparse_decode",
+      [](SPARSE_PARAMS, nb::handle plan, nb::handle scratch, nb::handle allocate,
+         const std::string& backend, uintptr_t stream) {
+        SparseCall c;
+        build_sparse(c, SPARSE_ARGS, true);
+        Options o = make_options(backend, stream);
+        Workspace ws = make_workspace(c.arrays, plan, scratch);
+        if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
+          // One call does size, allocate, plan and run (one import of the arrays).
           WorkspaceSizes sizes;
-          check(sparse_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
-          return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
-        },
-        SPARSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a sparse decode.");
-
-  m.def("sparse_decode_supported",
-        [](SPARSE_PARAMS, const std::string& backend) {
-          SparseCall c;
-          try {
-            build_sparse(c, SPARSE_ARGS, false);
-          } catch (const StatusError& e) {
-            return support_result(e.status, Backend::kAuto);
-          } catch (const nb::builtin_exception& e) {
-            return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
+          check(sparse_decode_workspace_size(c.args, o, &sizes));
+          if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
+            ws =
+                make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
+            nb::gil_scoped_release release;
+            check(sparse_decode_plan(c.args, ws, o));
           }
-          Backend chosen = Backend::kAuto;
-          Options o;
-          Status s = parse_backend(backend, &o.backend);
-          if (s.ok()) s = sparse_decode_supported(c.args, o, &chosen);
-          return support_result(s, chosen);
-        },
-        SPARSE_NAMES, "backend"_a = "auto",
-        "(ok, backend, reason): whether and where a sparse decode can run.");
-
-  m.def("sparse_decode_plan",
-        [](SPARSE_PARAMS, nb::handle plan, nb::handle scratch, const std::string& backend,
-           uintptr_t stream) {
-          SparseCall c;
-          build_sparse(c, SPARSE_ARGS, false);
-          Workspace ws = make_workspace(c.arrays, plan, scratch);
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(sparse_decode_plan(c.args, ws, o));
-        },
-        SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
-        "stream"_a = 0, "Fills the plan buffer for a sparse decode (on the device, graph-safe).");
-
-  m.def("sparse_decode",
-        [](SPARSE_PARAMS, nb::handle plan, nb::handle scratch, nb::handle allocate,
-           const std::string& backend, uintptr_t stream) {
-          SparseCall c;
-          build_sparse(c, SPARSE_ARGS, true);
-          Options o = make_options(backend, stream);
-          Workspace ws = make_workspace(c.arrays, plan, scratch);
-          if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
-            // One call does size, allocate, plan and run (one import of the arrays).
-            WorkspaceSizes sizes;
-            check(sparse_decode_workspace_size(c.args, o, &sizes));
-            if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
-              ws = make_workspace(c.arrays, allocate(sizes.plan_bytes),
-                                  allocate(sizes.scratch_bytes));
-              nb::gil_scoped_release release;
-              check(sparse_decode_plan(c.args, ws, o));
-            }
-          }
-          nb::gil_scoped_release release;
-          check(sparse_decode(c.args, ws, o));
-        },
-        SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
-        "backend"_a = "auto", "stream"_a = 0,
-        "Sparse decode into out/lse. Without plan/scratch, allocate(nbytes) supplies the "
-        "workspace and the call plans first.");
+        }
+        nb::gil_scoped_release release;
+        check(sparse_decode(c.args, ws, o));
+      },
+      SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
+      "backend"_a = "auto", "stream"_a = 0,
+      "Sparse decode into out/lse. Without plan/scratch, allocate(nbytes) supplies the "
+      "workspace and the call plans first.");
 
   // ---- dense decode ----
-#define DENSE_PARAMS                                                                          \
-  nb::handle q, nb::handle k_cache, nb::handle block_table, nb::handle cache_seqlens,         \
-      bool causal, std::optional<double> softmax_scale, nb::handle out, nb::handle lse
+#define DENSE_PARAMS                                                                               \
+  nb::handle q, nb::handle k_cache, nb::handle block_table, nb::handle cache_seqlens, bool causal, \
+      std::optional<double> softmax_scale, nb::handle out, nb::handle lse
 #define DENSE_ARGS q, k_cache, block_table, cache_seqlens, causal, softmax_scale, out, lse
-#define DENSE_NAMES                                                                           \
-  "q"_a, "k_cache"_a, "block_table"_a, "cache_seqlens"_a, "causal"_a = false,                 \
-      "softmax_scale"_a = nb::none(), "out"_a = nb::none(), "lse"_a = nb::none()
+#define DENSE_NAMES                                                             \
+  "q"_a, "k_cache"_a, "block_table"_a, "cache_seqlens"_a,                       \
+      "causal"_a = false, "softmax_scale"_a = nb::none(), "out"_a = nb::none(), \
+      "lse"_a = nb::none()
 
-  m.def("dense_decode_workspace_size",
-        [](DENSE_PARAMS, const std::string& backend) {
-          DenseCall c;
+  m.def(
+      "dense_decode_workspace_size",
+      [](DENSE_PARAMS, const std::string& backend) {
+        DenseCall c;
+        build_dense(c, DENSE_ARGS, false);
+        WorkspaceSizes sizes;
+        check(dense_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
+        return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
+      },
+      DENSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a dense decode.");
+
+  m.def(
+      "dense_decode_supported",
+      [](DENSE_PARAMS, const std::string& backend) {
+        DenseCall c;
+        try {
           build_dense(c, DENSE_ARGS, false);
+        } catch (const StatusError& e) {
+          return support_result(e.status, Backend::kAuto);
+        } catch (const nb::builtin_exception& e) {
+          return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
+        }
+        Backend chosen = Backend::kAuto;
+        Options o;
+        Status s = parse_backend(backend, &o.backend);
+        if (s.ok()) s = dense_decode_supported(c.args, o, &chosen);
+        return support_result(s, chosen);
+      },
+      DENSE_NAMES, "backend"_a = "auto",
+      "(ok, backend, reason): whether and where a dense decode can run.");
+
+  m.def(
+      "dense_decode_plan",
+      [](DENSE_PARAMS, nb::handle plan, nb::handle scratch, const std::string& backend,
+         uintptr_t stream) {
+        DenseCall c;
+        build_dense(c, DENSE_ARGS, false);
+        Workspace ws = make_workspace(c.arrays, plan, scratch);
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(dense_decode_plan(c.args, ws, o));
+      },
+      DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
+      "stream"_a = 0, "Fills the plan buffer for a dense decode (on the device, graph-safe).");
+
+  m.def(
+      "dense_decode",
+      [](DENSE_PARAMS, nb::handle plan, nb::handle scratch, nb::handle allocate,
+         const std::string& backend, uintptr_t stream) {
+        DenseCall c;
+        build_dense(c, DENSE_ARGS, true);
+        Options o = make_options(backend, stream);
+        Workspace ws = make_workspace(c.arrays, plan, scratch);
+        if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
+          // One call does size, allocate, plan and run (one import of the arrays).
           WorkspaceSizes sizes;
-          check(dense_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
-          return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
-        },
-        DENSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a dense decode.");
-
-  m.def("dense_decode_supported",
-        [](DENSE_PARAMS, const std::string& backend) {
-          DenseCall c;
-          try {
-            build_dense(c, DENSE_ARGS, false);
-          } catch (const StatusError& e) {
-            return support_result(e.status, Backend::kAuto);
-          } catch (const nb::builtin_exception& e) {
-            return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
+          check(dense_decode_workspace_size(c.args, o, &sizes));
+          if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
+            ws =
+                make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
+            nb::gil_scoped_release release;
+            check(dense_decode_plan(c.args, ws, o));
           }
-          Backend chosen = Backend::kAuto;
-          Options o;
-          Status s = parse_backend(backend, &o.backend);
-          if (s.ok()) s = dense_decode_supported(c.args, o, &chosen);
-          return support_result(s, chosen);
-        },
-        DENSE_NAMES, "backend"_a = "auto",
-        "(ok, backend, reason): whether and where a dense decode can run.");
-
-  m.def("dense_decode_plan",
-        [](DENSE_PARAMS, nb::handle plan, nb::handle scratch, const std::string& backend,
-           uintptr_t stream) {
-          DenseCall c;
-          build_dense(c, DENSE_ARGS, false);
-          Workspace ws = make_workspace(c.arrays, plan, scratch);
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(dense_decode_plan(c.args, ws, o));
-        },
-        DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
-        "stream"_a = 0, "Fills the plan buffer for a dense decode (on the device, graph-safe).");
-
-  m.def("dense_decode",
-        [](DENSE_PARAMS, nb::handle plan, nb::handle scratch, nb::handle allocate,
-           const std::string& backend, uintptr_t stream) {
-          DenseCall c;
-          build_dense(c, DENSE_ARGS, true);
-          Options o = make_options(backend, stream);
-          Workspace ws = make_workspace(c.arrays, plan, scratch);
-          if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
-            // One call does size, allocate, plan and run (one import of the arrays).
-            WorkspaceSizes sizes;
-            check(dense_decode_workspace_size(c.args, o, &sizes));
-            if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
-              ws = make_workspace(c.arrays, allocate(sizes.plan_bytes),
-                                  allocate(sizes.scratch_bytes));
-              nb::gil_scoped_release release;
-              check(dense_decode_plan(c.args, ws, o));
-            }
-          }
-          nb::gil_scoped_release release;
-          check(dense_decode(c.args, ws, o));
-        },
-        DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
-        "backend"_a = "auto", "stream"_a = 0,
-        "Dense decode into out/lse. Without plan/scratch, allocate(nbytes) supplies the "
-        "workspace and the call plans first.");
+        }
+        nb::gil_scoped_release release;
+        check(dense_decode(c.args, ws, o));
+      },
+      DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
+      "backend"_a = "auto", "stream"_a = 0,
+      "Dense decode into out/lse. Without plan/scratch, allocate(nbytes) supplies the "
+      "workspace and the call plans first.");
 
   // ---- merge and KV tools ----
-  m.def("merge_attention",
-        [](nb::handle out_parts, nb::handle lse_parts, nb::handle attn_sink, nb::handle out,
-           nb::handle lse, const std::string& backend, uintptr_t stream) {
-          Arrays arr;
-          MergeArgs a;
-          a.out_parts = arr.input(out_parts, "out_parts");
-          a.lse_parts = arr.input(lse_parts, "lse_parts");
-          a.attn_sink = arr.optional_input(attn_sink, "attn_sink");
-          a.out = arr.output(out, "out");
-          a.lse = arr.output(lse, "lse");
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(merge_attention(a, o));
-        },
-        "out_parts"_a, "lse_parts"_a, "attn_sink"_a = nb::none(), "out"_a, "lse"_a,
-        "backend"_a = "auto", "stream"_a = 0, "Merges partial (out, lse) results into out/lse.");
+  m.def(
+      "merge_attention",
+      [](nb::handle out_parts, nb::handle lse_parts, nb::handle attn_sink, nb::handle out,
+         nb::handle lse, const std::string& backend, uintptr_t stream) {
+        Arrays arr;
+        MergeArgs a;
+        a.out_parts = arr.input(out_parts, "out_parts");
+        a.lse_parts = arr.input(lse_parts, "lse_parts");
+        a.attn_sink = arr.optional_input(attn_sink, "attn_sink");
+        a.out = arr.output(out, "out");
+        a.lse = arr.output(lse, "lse");
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(merge_attention(a, o));
+      },
+      "out_parts"_a, "lse_parts"_a, "attn_sink"_a = nb::none(), "out"_a, "lse"_a,
+      "backend"_a = "auto", "stream"_a = 0, "Merges partial (out, lse) results into out/lse.");
 
-  m.def("quantize_store",
-        [](nb::handle src, nb::handle slots, nb::handle k_cache, const std::string& backend,
-           uintptr_t stream) {
-          Arrays arr;
-          QuantizeStoreArgs a;
-          a.src = arr.input(src, "src");
-          a.slots = arr.input(slots, "slots");
-          a.kv = arr.cache(k_cache, "k_cache", true);
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(quantize_store(a, o));
-        },
-        "src"_a, "slots"_a, "k_cache"_a, "backend"_a = "auto", "stream"_a = 0,
-        "Quantizes rows of src and stores them into the cache slots.");
+  m.def(
+      "quantize_store",
+      [](nb::handle src, nb::handle slots, nb::handle k_cache, const std::string& backend,
+         uintptr_t stream) {
+        Arrays arr;
+        QuantizeStoreArgs a;
+        a.src = arr.input(src, "src");
+        a.slots = arr.input(slots, "slots");
+        a.kv = arr.cache(k_cache, "k_cache", true);
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(quantize_store(a, o));
+      },
+      "src"_a, "slots"_a, "k_cache"_a, "backend"_a = "auto", "stream"_a = 0,
+      "Quantizes rows of src and stores them into the cache slots.");
 
-  m.def("dequantize",
-        [](nb::handle k_cache, nb::handle slots, nb::handle out, const std::string& backend,
-           uintptr_t stream) {
-          Arrays arr;
-          DequantizeArgs a;
-          a.kv = arr.cache(k_cache, "k_cache", false);
-          a.slots = arr.input(slots, "slots");
-          a.out = arr.output(out, "out");
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(dequantize(a, o));
-        },
-        "k_cache"_a, "slots"_a, "out"_a, "backend"_a = "auto", "stream"_a = 0,
-        "Reads cache slots back as rows of d_qk values into out.");
+  m.def(
+      "dequantize",
+      [](nb::handle k_cache, nb::handle slots, nb::handle out, const std::string& backend,
+         uintptr_t stream) {
+        Arrays arr;
+        DequantizeArgs a;
+        a.kv = arr.cache(k_cache, "k_cache", false);
+        a.slots = arr.input(slots, "slots");
+        a.out = arr.output(out, "out");
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(dequantize(a, o));
+      },
+      "k_cache"_a, "slots"_a, "out"_a, "backend"_a = "auto", "stream"_a = 0,
+      "Reads cache slots back as rows of d_qk values into out.");
 
-  m.def("repack_pages",
-        [](nb::handle src, nb::handle dst, nb::handle src_block_table,
-           nb::handle dst_block_table, nb::handle seqlens, const std::string& backend,
-           uintptr_t stream) {
-          Arrays arr;
-          RepackArgs a;
-          a.src = arr.cache(src, "src", false);
-          a.dst = arr.cache(dst, "dst", true);
-          a.src_block_table = arr.input(src_block_table, "src_block_table");
-          a.dst_block_table = arr.input(dst_block_table, "dst_block_table");
-          a.seqlens = arr.input(seqlens, "seqlens");
-          Options o = make_options(backend, stream);
-          nb::gil_scoped_release release;
-          check(repack_pages(a, o));
-        },
-        "src"_a, "dst"_a, "src_block_table"_a, "dst_block_table"_a, "seqlens"_a,
-        "backend"_a = "auto", "stream"_a = 0,
-        "Copies each request's first seqlens[i] tokens from src pages to dst pages.");
+  m.def(
+      "repack_pages",
+      [](nb::handle src, nb::handle dst, nb::handle src_block_table, nb::handle dst_block_table,
+         nb::handle seqlens, const std::string& backend, uintptr_t stream) {
+        Arrays arr;
+        RepackArgs a;
+        a.src = arr.cache(src, "src", false);
+        a.dst = arr.cache(dst, "dst", true);
+        a.src_block_table = arr.input(src_block_table, "src_block_table");
+        a.dst_block_table = arr.input(dst_block_table, "dst_block_table");
+        a.seqlens = arr.input(seqlens, "seqlens");
+        Options o = make_options(backend, stream);
+        nb::gil_scoped_release release;
+        check(repack_pages(a, o));
+      },
+      "src"_a, "dst"_a, "src_block_table"_a, "dst_block_table"_a, "seqlens"_a, "backend"_a = "auto",
+      "stream"_a = 0, "Copies each request's first seqlens[i] tokens from src pages to dst pages.");
 }
