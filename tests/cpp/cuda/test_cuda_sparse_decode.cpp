@@ -96,14 +96,16 @@ std::vector<SparseParam> sparse_params() {
     // DeepSeek-V4 C1 layout (main topk 128 on 256-token pages, extra 512 on 64), few requests.
     auto c = with_extra(base(M1, 2, 2, 64, 128, 256), 512, 64);
     c.use_sink = true;
+    // Small batches pick 32-row tiles by default; 64x32 is what larger batches run.
     v.push_back({"b2_sq2_h64_page256_model1_c1_sink", c});
-    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles32x32", c, "32x32"});
+    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles64x32", c, "64x32"});
     v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles16x16", c, "16x16"});
   }
   {
     auto c = base(V32, 1, 2, 128, 65, 69);
     c.use_sink = true;
     v.push_back({"b1_sq2_h128_page69_v32_sink", c});
+    v.push_back({"b1_sq2_h128_page69_v32_sink_tiles64x32", c, "64x32"});
     v.push_back({"b1_sq2_h128_page69_v32_sink_tiles16x16", c, "16x16"});
   }
   v.push_back({"b2_sq1_h128_page2_model1_extra_page1",
@@ -155,6 +157,7 @@ std::vector<SparseParam> sparse_params() {
     auto c = with_extra(base(M1, 1, 1, 64, 3000, 64), 1000, 2);
     c.use_sink = true;
     v.push_back({"b1_sq1_h64_model1_topk3000_extra1000_split", c});
+    v.push_back({"b1_sq1_h64_model1_topk3000_extra1000_split_tiles64x32", c, "64x32"});
     auto d = base(V32, 2, 1, 16, 2500, 256);
     d.use_topk_length = true;
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths", d});

@@ -46,9 +46,10 @@ struct DecodeShape {
   size_t scratch_bytes = 0;
 };
 
-// rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams.
+// rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams; max_len bounds the
+// tokens of a pair from the shapes alone (0: unknown).
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int device, DecodeShape* shape);
+                         int64_t rows_per_pair, int64_t max_len, int device, DecodeShape* shape);
 
 // Cost-line constants of the planner (in tiles): a pair's fixed cost (Q load, pipeline fill,
 // epilogue) and the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row,
