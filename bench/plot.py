@@ -82,10 +82,10 @@ def roofline(run, out_path):
             xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
             bw = ceil["gbps"] * 1e-3  # TB/s
             ax.plot(xs, [min(ceil["bf16_tflops"], x * bw) for x in xs], color="gray", lw=1.5,
-                    label=f"roofline {ceil['bf16_tflops']:g} TFLOP/s, {ceil['gbps']:g} GB/s")
+                    label=f"roofline {ceil['bf16_tflops']:.3g} TFLOP/s, {ceil['gbps']:.3g} GB/s")
             if ceil.get("fp8_tflops"):
                 ax.plot(xs, [min(ceil["fp8_tflops"], x * bw) for x in xs], color="gray", lw=1,
-                        ls="--", label=f"fp8 tensor cores {ceil['fp8_tflops']:g} TFLOP/s")
+                        ls="--", label=f"fp8 tensor cores {ceil['fp8_tflops']:.3g} TFLOP/s")
         for backend in sorted({p[0] for p in points}):
             sel = [p for p in points if p[0] == backend]
             color, marker = style(backend)
@@ -114,7 +114,7 @@ def time_plot(run, suite, out_path):
     def x_of(c):
         return c["seqlens"][0] if key == "context" else c[key]
 
-    configs = sorted({c["config"] for c in cases})
+    configs = list(dict.fromkeys(c["config"] for c in cases))  # in the order of the suite
     n = len(configs)
     cols = min(4, n)
     rows = math.ceil(n / cols)

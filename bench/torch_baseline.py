@@ -163,6 +163,8 @@ def sparse_fn(m, device):
                 pos = torch.arange(etopk, device=eidx.device)
                 evalid = evalid & (pos[None, None, :] < elen.clamp(0, etopk)[:, None, None])
             k, valid = torch.cat([k, ek], dim=2), torch.cat([valid, evalid], dim=2)
+            # Rows past the lengths may hold NaN: zero them, or 0 * NaN poisons P @ V.
+            k = torch.where(valid.unsqueeze(-1), k, torch.zeros_like(k))
         out, lse = attend(q, k.unsqueeze(3), valid, scale, sink)
         return out.to(torch.bfloat16), lse.permute(0, 2, 1).contiguous()
 
@@ -182,10 +184,13 @@ def dense_fn(m, device):
     t = torch.arange(length, device=q.device)
     page = table[:, (t // kv.page_size).clamp(max=table.shape[1] - 1)]
     page_ok = (page >= 0) & (page < kv.pages)
-    slots = torch.where(page_ok, page * kv.page_size + t % kv.page_size, torch.full_like(page, -1))
+    # Tokens past a request's length read as -1 (zero rows): their slots may hold NaN.
+    used = page_ok & (t[None, :] < seqlens[:, None])
+    slots = torch.where(used, page * kv.page_size + t % kv.page_size, torch.full_like(page, -1))
     s = torch.arange(s_q, device=q.device)
-    last = seqlens[:, None] - s_q + s[None, :] if causal else seqlens[:, None].expand(b, s_q)
-    mask = (t[None, None, :] < last[:, :, None]) & (t[None, None, :] < seqlens[:, None, None])
+    # Causal: query token s sees t <= seqlen - s_q + s.
+    end = seqlens[:, None] - s_q + s[None, :] + 1 if causal else seqlens[:, None].expand(b, s_q)
+    mask = (t[None, None, :] < end[:, :, None]) & (t[None, None, :] < seqlens[:, None, None])
     mask = mask & page_ok[:, None, :]
 
     def run():

@@ -265,10 +265,10 @@ std::vector<Case> all_cases() {
     }
   }
 
-  // KV kernels: quantize-and-store one decode step (b=128 new tokens) and a large batch; page
-  // repack 256 -> 64 and 64 -> 256.
+  // KV kernels: quantize-and-store one decode step (b=128 new tokens), a prefill chunk and a
+  // large batch; page repack 256 -> 64 and 64 -> 256.
   for (KVFormat f : {KVFormat::kModel1, KVFormat::kV32}) {
-    for (int64_t n : {128, 1 << 20}) {
+    for (int64_t n : {128, 1 << 16, 1 << 20}) {
       Case c;
       c.op = OpKind::kQuantizeStore;
       c.format = f;
@@ -278,7 +278,7 @@ std::vector<Case> all_cases() {
       c.tokens = n;
       c.b = 1;
       c.page_size = 256;
-      c.quick = n == 128 || f == KVFormat::kModel1;
+      c.quick = n == 128 || (n == 1 << 16 && f == KVFormat::kModel1);
       add(c);
     }
   }
@@ -315,12 +315,19 @@ std::vector<Case> select_cases(const std::vector<Case>& cases, const std::string
     }
     start = end + 1;
   }
+  // A term that names a case exactly selects only that case ("sparse/C1/sq2/b2" is not b256).
+  auto matches = [&](const std::string& t, const Case& c) {
+    for (const Case& other : cases) {
+      if (other.name == t) return c.name == t;
+    }
+    return term_matches(t, c);
+  };
   std::vector<Case> out;
   for (const Case& c : cases) {
     if (quick_only && !c.quick) continue;
     bool in = include.empty();
-    for (const auto& t : include) in = in || term_matches(t, c);
-    for (const auto& t : exclude) in = in && !term_matches(t, c);
+    for (const auto& t : include) in = in || matches(t, c);
+    for (const auto& t : exclude) in = in && !matches(t, c);
     if (in) out.push_back(c);
   }
   return out;

@@ -33,7 +33,7 @@ struct Case {
   int64_t extra_topk = 0;  // 0: no extra cache
   int64_t extra_page_size = 64;
   int64_t extra_ratio = 4;  // extra entries per request = max(context_i / extra_ratio, extra_topk)
-  bool extra_random_length = false; // extra_topk_length[i] ~ U[1, extra_topk] (C128-like rows)
+  bool extra_random_length = false;  // extra_topk_length[i] ~ U[1, extra_topk], stratified
   bool sink = true;
 
   // Dense decode: explicit per-request lengths, or `context` for all.

@@ -152,7 +152,14 @@ Status build_sparse(const Case& c, Inputs* in, const std::function<void(double)>
     if (c.extra_random_length) {
       in->extra_topk_length = ref::make_tensor(DType::kInt32, {b});
       auto* len = static_cast<int32_t*>(in->extra_topk_length.data());
-      for (int64_t i = 0; i < b; ++i) len[i] = static_cast<int32_t>(rng.between(1, c.extra_topk));
+      // Stratified over [1, extra_topk], then shuffled: uniform lengths whose mean does not drift
+      // with the seed, so the FLOP count matches the shape's nominal work at every batch size.
+      for (int64_t i = 0; i < b; ++i) {
+        const double u = (static_cast<double>(i) + rng.uniform()) / static_cast<double>(b);
+        len[i] = static_cast<int32_t>(1 + std::min<int64_t>(c.extra_topk - 1,
+                                                            static_cast<int64_t>(u * c.extra_topk)));
+      }
+      for (int64_t i = b - 1; i > 0; --i) std::swap(len[i], len[rng.between(0, i)]);
     }
   }
   if (c.sink) {
@@ -559,8 +566,11 @@ Status compute_expected(const Case& c, const Inputs& in, VerifyMode mode, double
   const double per_request_head = in.work.flops / static_cast<double>(c.b * c.h_q);
   int64_t n_req = c.b, hw = c.h_q;
   if (mode == VerifyMode::kSample) {
-    hw = std::min<int64_t>(c.h_q, 16);
+    // All heads of up to 8 requests when that fits the budget, else a window of 16 heads.
     n_req = std::min<int64_t>(c.b, 8);
+    if (per_request_head * static_cast<double>(hw * n_req) > budget_flops) {
+      hw = std::min<int64_t>(c.h_q, 16);
+    }
     while (n_req > 2 && per_request_head * static_cast<double>(hw * n_req) > budget_flops) --n_req;
     while (hw > 2 && per_request_head * static_cast<double>(hw * n_req) > budget_flops) hw /= 2;
   }
