@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots of a `sparse-mla bench` result file (JSON).
 
-  python3 bench/plot.py bench/results/<run>.json [--out-dir DIR]
+  python3 bench/plot.py bench/results/<run>.json [--out-dir DIR] [--markdown]
 
 Writes, next to the JSON (or into DIR), PNG files named after it:
   <run>_roofline.png       achieved TFLOP/s against arithmetic intensity, one panel per device,
@@ -9,7 +9,8 @@ Writes, next to the JSON (or into DIR), PNG files named after it:
                            FlashMLA's published times placed on the same axes
   <run>_<suite>_time.png   time per call against batch size (or context length for dense decode),
                            one panel per configuration, every backend against FlashMLA
-Only results that passed the reference check are drawn.
+Only results that passed the reference check are drawn. --markdown also prints Markdown tables
+of the run (what docs/performance.md quotes) to stdout.
 """
 
 import argparse
@@ -159,10 +160,71 @@ def time_plot(run, suite, out_path):
     return out_path
 
 
+def fmt(v, digits=3):
+    if v is None:
+        return "-"
+    return f"{v:.{digits}g}" if abs(v) < 10 ** digits else f"{v:.0f}"
+
+
+def markdown(run, source):
+    lines = [f"Source: `{source}` ({run['run']['date']}, commit {run['run']['commit']}, "
+             f"`{run['run']['command']}`).", ""]
+    for d in run["devices"]:
+        c = d.get("ceilings") or {}
+        lines.append(f"- {d['kind']}: {d['name']} ({d['detail']}); ceilings "
+                     f"{fmt(c.get('bf16_tflops'))} TFLOP/s, {fmt(c.get('gbps'))} GB/s "
+                     f"({c.get('source', '')})")
+    lines.append("")
+    # DeepSeek-V4 production grid: time and speedup per (config, batch), per backend.
+    prod = [c for c in run["cases"] if c["suite"] == "model1"]
+    backends = sorted({r["backend"] for c in prod for r in c["results"]})
+    for backend in backends:
+        for s_q in (2, 1):
+            rows = [c for c in prod if c["s_q"] == s_q]
+            if not rows:
+                continue
+            batches = sorted({c["b"] for c in rows})
+            configs = list(dict.fromkeys(c["config"] for c in rows))
+            lines.append(f"**{backend}, s_q = {s_q}**: us per call (FlashMLA us, speedup)")
+            lines.append("")
+            lines.append("| config | " + " | ".join(f"b={b}" for b in batches) + " |")
+            lines.append("|---|" + "---|" * len(batches))
+            for config in configs:
+                cells = []
+                for b in batches:
+                    c = next((c for c in rows if c["config"] == config and c["b"] == b), None)
+                    r = next((r for r in (c or {}).get("results", []) if r["backend"] == backend),
+                             None)
+                    if r is None:
+                        cells.append("")
+                    elif r["status"] != "ok":
+                        cells.append(r["status"].upper())
+                    else:
+                        extra = f" ({fmt(c['flashmla_us'])}, {r['speedup_vs_flashmla']:.2f}x)" \
+                            if r.get("speedup_vs_flashmla") else f" ({fmt(c['flashmla_us'])})"
+                        cells.append(fmt(r["median_us"], 4) + extra)
+                lines.append(f"| {config.split()[0]} | " + " | ".join(cells) + " |")
+            lines.append("")
+    # Every result.
+    lines.append("| case | backend | us | TFLOP/s | GB/s | roof % | FlashMLA us | speedup | check |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for c in run["cases"]:
+        for r in c["results"]:
+            ok = r["status"] == "ok"
+            lines.append(" | ".join([
+                f"| {c['name']}", r["backend"], fmt(r["median_us"], 4) if ok else "-",
+                fmt(r["tflops"]) if ok else "-", fmt(r["gbps"]) if ok else "-",
+                fmt(r["roofline_pct"]) if ok else "-", fmt(c.get("flashmla_us")),
+                f"{r['speedup_vs_flashmla']:.2f}x" if r.get("speedup_vs_flashmla") else "-",
+                "PASS" if ok else r["status"].upper()]) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description="Plots of a sparse-mla bench JSON file")
     ap.add_argument("json")
     ap.add_argument("--out-dir", help="default: the JSON's directory")
+    ap.add_argument("--markdown", action="store_true", help="also print Markdown tables")
     args = ap.parse_args()
     with open(args.json) as f:
         run = json.load(f)
@@ -174,8 +236,11 @@ def main():
     for suite in SUITE_X:
         written.append(time_plot(run, suite, f"{stem}_{suite}_time.png"))
     written = [w for w in written if w]
-    for w in written:
-        print(w)
+    if args.markdown:
+        print(markdown(run, os.path.relpath(args.json)))
+    else:
+        for w in written:
+            print(w)
     if not written:
         print("nothing to plot: no case passed its check", file=sys.stderr)
         return 1
