@@ -2,6 +2,7 @@
 // result against the fp64 reference, and writes a table, JSON and CSV. See docs/benchmarking.md.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -39,6 +40,7 @@ struct Config {
   std::string python = "python3";
   int runs = 20, warmup = -1;
   double cpu_budget_s = 2.0;
+  double cpu_max_call_s = -1;  // < 0: 1 s when GPU backends run too, else no limit
   VerifyMode verify = VerifyMode::kSample;
   double verify_gflop = 2.0;
   int device = 0;
@@ -56,13 +58,15 @@ void usage(FILE* to) {
       "  -f, --filter TERMS   comma-separated: suite names (model1 tp model1_peak v32 dense\n"
       "                       dense_tp dense_imb kv), name substrings or globs ('sparse/C1/*');\n"
       "                       '-TERM' removes matches\n"
-      "  --backends LIST      cpu,cuda,sm90 (default: the GPU backends when a GPU is usable,\n"
-      "                       else cpu)\n"
+      "  --backends LIST      cpu,cuda,sm90 (default: every backend usable here)\n"
       "  --torch              also run the PyTorch baseline (bench/torch_baseline.py)\n"
       "  --python EXE         interpreter for --torch (default python3)\n"
       "  --runs N             timed runs per case and backend (default 20)\n"
       "  --warmup N           untimed runs first (default 5 on a GPU, 1 on the CPU)\n"
       "  --cpu-budget S       stop timing a CPU case after S seconds once 3 runs are done (2)\n"
+      "  --cpu-max-call S     skip the CPU on cases whose estimated call time (twice the CPU\n"
+      "                       roofline time) exceeds S seconds (default: 1 when GPU backends run\n"
+      "                       too, else no limit)\n"
       "  --graph              also time CUDA graph replay of the call\n"
       "  --verify MODE        sample (default): a spread of requests and heads per case;\n"
       "                       full: every row; off: only the finite check\n"
@@ -160,12 +164,14 @@ int parse_args(int argc, char** argv, Config* cfg) {
         return bad(v, a == "--runs" ? "an integer >= 1" : "an integer >= 0");
       }
       (a == "--runs" ? cfg->runs : a == "--warmup" ? cfg->warmup : cfg->device) = static_cast<int>(x);
-    } else if (a == "--cpu-budget" || a == "--verify-gflop") {
+    } else if (a == "--cpu-budget" || a == "--verify-gflop" || a == "--cpu-max-call") {
       const char* v = value("a number");
       if (!v) return 2;
       double x;
       if (!parse_number(v, &x) || x <= 0) return bad(v, "a number > 0");
-      (a == "--cpu-budget" ? cfg->cpu_budget_s : cfg->verify_gflop) = x;
+      (a == "--cpu-budget" ? cfg->cpu_budget_s
+       : a == "--cpu-max-call" ? cfg->cpu_max_call_s
+                               : cfg->verify_gflop) = x;
     } else if (a == "--verify") {
       const char* v = value("sample|full|off");
       if (!v) return 2;
@@ -387,6 +393,14 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
 
 #endif  // SPARSE_MLA_WITH_CUDA
 
+// A CPU call's time, guessed as twice its roofline time on the measured ceilings.
+double cpu_estimate_s(const Work& w, const Ceilings& c) {
+  double t = 0;
+  if (c.bf16_tflops > 0) t = std::max(t, w.flops / (c.bf16_tflops * 1e12));
+  if (c.gbps > 0) t = std::max(t, w.bytes / (c.gbps * 1e9));
+  return 2 * t;
+}
+
 std::string command_line(int argc, char** argv) {
   std::string cmd = "sparse-mla bench";
   for (int i = 1; i < argc; ++i) {
@@ -418,7 +432,7 @@ int bench_command(int argc, char** argv) {
     return 0;
   }
 
-  // Backends: explicit, or the GPU ones when usable, else the CPU.
+  // Backends: explicit, or every one this build can use here (GPU ones first).
   std::vector<Backend> backends;
   if (!cfg.backends.empty()) {
     for (const auto& name : cfg.backends) {
@@ -427,10 +441,7 @@ int bench_command(int argc, char** argv) {
       backends.push_back(b);
     }
   } else {
-    for (Backend b : available_backends()) {
-      if (b != Backend::kCPU) backends.push_back(b);
-    }
-    if (backends.empty()) backends.push_back(Backend::kCPU);
+    backends = available_backends();
   }
   bool use_cpu = false, use_gpu = false;
   for (Backend b : backends) (b == Backend::kCPU ? use_cpu : use_gpu) = true;
@@ -486,6 +497,7 @@ int bench_command(int argc, char** argv) {
   const Ceilings* cpu_ceilings = &info.devices.front().ceilings;
   const Ceilings* gpu_ceilings = use_gpu ? &info.devices.back().ceilings : nullptr;
   info.warmup = cfg.warmup >= 0 ? cfg.warmup : (use_gpu ? 5 : 1);
+  const double cpu_max_call_s = cfg.cpu_max_call_s > 0 ? cfg.cpu_max_call_s : (use_gpu ? 1.0 : 0.0);
 
   std::unique_ptr<TorchBaseline> torch;
   if (cfg.torch) {
@@ -534,6 +546,14 @@ int bench_command(int argc, char** argv) {
         res.backend = backend_name(b);
         res.status = "error";
         res.message = "inputs: " + s.to_string();
+      } else if (b == Backend::kCPU && cpu_max_call_s > 0 &&
+                 cpu_estimate_s(in.work, *cpu_ceilings) > cpu_max_call_s) {
+        res.backend = "cpu";
+        res.status = "skipped";
+        char why[160];
+        std::snprintf(why, sizeof why, "estimated %.2g s per call on the CPU (--cpu-max-call %g)",
+                      cpu_estimate_s(in.work, *cpu_ceilings), cpu_max_call_s);
+        res.message = why;
       } else if (b == Backend::kCPU) {
         progress.update(ci, c.name + ": cpu");
         res = run_cpu(c, in, expected, cfg, cpu_ceilings);
