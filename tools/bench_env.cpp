@@ -56,7 +56,9 @@ __attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iters) {
   }
   __m512 sum = acc[0];
   for (int k = 1; k < kChains; ++k) sum = _mm512_add_ps(sum, acc[k]);
-  return _mm512_reduce_add_ps(sum);
+  float out[16];
+  _mm512_storeu_ps(out, sum);
+  return out[0];
 }
 #endif
 
