@@ -1,6 +1,7 @@
 // `sparse-mla bench`: times every selected case on every selected backend after checking its
 // result against the fp64 reference, and writes a table, JSON and CSV. See docs/benchmarking.md.
 #include <omp.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +12,6 @@
 #include <fstream>
 #include <memory>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 #include "sparse_mla/sparse_mla.h"
@@ -49,7 +49,8 @@ struct Config {
 };
 
 void usage(FILE* to) {
-  std::fprintf(to,
+  std::fprintf(
+      to,
       "usage: sparse-mla bench [options]\n"
       "Times the selected cases on the selected backends; each result is first checked against\n"
       "the fp64 reference (a wrong result is reported as FAIL, never timed).\n"
@@ -148,7 +149,8 @@ int parse_args(int argc, char** argv, Config* cfg) {
       for (const auto& b : cfg->backends) {
         Backend parsed;
         if (b == "torch" || b == "auto" || !parse_backend(b, &parsed).ok()) {
-          return bad(v, "a comma-separated list of cpu, cuda, sm90 (the PyTorch baseline is --torch)");
+          return bad(v,
+                     "a comma-separated list of cpu, cuda, sm90 (the PyTorch baseline is --torch)");
         }
       }
     } else if (a == "--python") {
@@ -163,23 +165,29 @@ int parse_args(int argc, char** argv, Config* cfg) {
       if (!parse_number(v, &x) || x != std::floor(x) || x < lo || x > 100000) {
         return bad(v, a == "--runs" ? "an integer >= 1" : "an integer >= 0");
       }
-      (a == "--runs" ? cfg->runs : a == "--warmup" ? cfg->warmup : cfg->device) = static_cast<int>(x);
+      (a == "--runs"     ? cfg->runs
+       : a == "--warmup" ? cfg->warmup
+                         : cfg->device) = static_cast<int>(x);
     } else if (a == "--cpu-budget" || a == "--verify-gflop" || a == "--cpu-max-call") {
       const char* v = value("a number");
       if (!v) return 2;
       double x;
       if (!parse_number(v, &x) || x <= 0) return bad(v, "a number > 0");
-      (a == "--cpu-budget" ? cfg->cpu_budget_s
+      (a == "--cpu-budget"     ? cfg->cpu_budget_s
        : a == "--cpu-max-call" ? cfg->cpu_max_call_s
                                : cfg->verify_gflop) = x;
     } else if (a == "--verify") {
       const char* v = value("sample|full|off");
       if (!v) return 2;
       const std::string m = v;
-      if (m == "sample") cfg->verify = VerifyMode::kSample;
-      else if (m == "full") cfg->verify = VerifyMode::kFull;
-      else if (m == "off") cfg->verify = VerifyMode::kOff;
-      else return bad(v, "sample, full or off");
+      if (m == "sample")
+        cfg->verify = VerifyMode::kSample;
+      else if (m == "full")
+        cfg->verify = VerifyMode::kFull;
+      else if (m == "off")
+        cfg->verify = VerifyMode::kOff;
+      else
+        return bad(v, "sample, full or off");
     } else if (a == "--gpu-peak") {
       const char* v = value("bf16 TFLOP/s,fp8 TFLOP/s,GB/s");
       if (!v) return 2;
@@ -206,7 +214,7 @@ int parse_args(int argc, char** argv, Config* cfg) {
 }
 
 bool is_dir(const std::string& p) {
-  struct stat st{};
+  struct stat st {};
   return stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
@@ -358,10 +366,10 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
     if (s.ok()) s = download(lse, outs.lse.data());
   } else {
     const KVCache& dst = c.op == OpKind::kQuantizeStore ? args.store.kv : args.repack.dst;
-    s = cuda_check(cudaMemcpy(outs.dst.desc().data, dst.data,
-                              static_cast<size_t>(dst.num_pages * dst.page_stride),
-                              cudaMemcpyDeviceToHost),
-                   "download cache");
+    s = cuda_check(
+        cudaMemcpy(outs.dst.desc().data, dst.data,
+                   static_cast<size_t>(dst.num_pages * dst.page_stride), cudaMemcpyDeviceToHost),
+        "download cache");
   }
   if (!s.ok()) return fail(s);
   res.verdict = verify(c, in, expected, outs);
@@ -453,11 +461,14 @@ int bench_command(int argc, char** argv) {
   info.host = host_name();
   info.suite = cfg.quick ? (cfg.filter.empty() ? "quick" : "quick-" + slug(cfg.filter))
                          : (cfg.filter.empty() ? "full" : slug(cfg.filter));
-  info.verify = cfg.verify == VerifyMode::kSample ? "sample" : cfg.verify == VerifyMode::kFull ? "full" : "off";
+  info.verify = cfg.verify == VerifyMode::kSample ? "sample"
+                : cfg.verify == VerifyMode::kFull ? "full"
+                                                  : "off";
   info.runs = cfg.runs;
   info.graph = cfg.graph;
 
-  std::fprintf(stderr, "sparse-mla bench: %zu cases, commit %s\n", cases.size(), info.commit.c_str());
+  std::fprintf(stderr, "sparse-mla bench: %zu cases, commit %s\n", cases.size(),
+               info.commit.c_str());
   DeviceInfo cpu = cpu_info();
   if (use_cpu || cfg.torch) {
     if (cfg.cpu_peak.size() == 2) {
@@ -517,8 +528,8 @@ int bench_command(int argc, char** argv) {
   for (const auto& d : info.devices) {
     std::printf("%s: %s (%s)", d.kind.c_str(), d.name.c_str(), d.detail.c_str());
     if (d.ceilings.gbps > 0) {
-      std::printf("; ceilings %.3g TFLOP/s, %.4g GB/s [%s]", d.ceilings.bf16_tflops, d.ceilings.gbps,
-                  d.ceilings.source.c_str());
+      std::printf("; ceilings %.3g TFLOP/s, %.4g GB/s [%s]", d.ceilings.bf16_tflops,
+                  d.ceilings.gbps, d.ceilings.source.c_str());
     }
     std::printf("\n");
   }
@@ -591,7 +602,9 @@ int bench_command(int argc, char** argv) {
   if (cfg.save) {
     std::string prefix = cfg.out_prefix;
     if (prefix.empty()) {
-      std::string dir = !cfg.out_dir.empty() ? cfg.out_dir : is_dir("bench/results") ? "bench/results" : ".";
+      std::string dir = !cfg.out_dir.empty()      ? cfg.out_dir
+                        : is_dir("bench/results") ? "bench/results"
+                                                  : ".";
       const std::string device = slug(info.devices.back().name);
       prefix = dir + "/" + utc_now(true) + "_" + (use_gpu ? device : "cpu") + "_" + info.commit +
                "_" + info.suite;

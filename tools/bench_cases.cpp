@@ -9,10 +9,14 @@ namespace sparse_mla::tools::bench {
 
 const char* op_name(OpKind op) {
   switch (op) {
-    case OpKind::kSparseDecode: return "sparse";
-    case OpKind::kDenseDecode: return "dense";
-    case OpKind::kQuantizeStore: return "quantize_store";
-    case OpKind::kRepack: return "repack";
+    case OpKind::kSparseDecode:
+      return "sparse";
+    case OpKind::kDenseDecode:
+      return "dense";
+    case OpKind::kQuantizeStore:
+      return "quantize_store";
+    case OpKind::kRepack:
+      return "repack";
   }
   return "unknown";
 }
@@ -31,14 +35,34 @@ struct ProdConfig {
 };
 
 constexpr ProdConfig kProdConfigs[] = {
-    {"C1", 64, 512, 64, false,
-     {15.0, 49.7, 71.6, 92.8, 120.1, 176.5}, {16.1, 48.0, 53.1, 51.8, 74.7, 95.2}},
-    {"C2", 128, 1024, 64, false,
-     {17.3, 106.3, 134.9, 207.1, 252.7, 406.9}, {18.3, 59.0, 81.5, 108.5, 137.7, 208.6}},
-    {"C3", 64, 1024, 2, true,
-     {14.2, 75.3, 82.3, 121.5, 135.9, 217.6}, {17.6, 47.4, 50.8, 79.2, 84.9, 124.6}},
-    {"C4", 128, 1024, 2, true,
-     {15.8, 90.0, 94.5, 147.5, 169.6, 267.6}, {17.8, 60.2, 62.0, 90.4, 100.6, 153.0}},
+    {"C1",
+     64,
+     512,
+     64,
+     false,
+     {15.0, 49.7, 71.6, 92.8, 120.1, 176.5},
+     {16.1, 48.0, 53.1, 51.8, 74.7, 95.2}},
+    {"C2",
+     128,
+     1024,
+     64,
+     false,
+     {17.3, 106.3, 134.9, 207.1, 252.7, 406.9},
+     {18.3, 59.0, 81.5, 108.5, 137.7, 208.6}},
+    {"C3",
+     64,
+     1024,
+     2,
+     true,
+     {14.2, 75.3, 82.3, 121.5, 135.9, 217.6},
+     {17.6, 47.4, 50.8, 79.2, 84.9, 124.6}},
+    {"C4",
+     128,
+     1024,
+     2,
+     true,
+     {15.8, 90.0, 94.5, 147.5, 169.6, 267.6},
+     {17.8, 60.2, 62.0, 90.4, 100.6, 153.0}},
 };
 
 // Peak shapes (b=148, s_q=2, s_k=32768, one cache) and V32 peak (h_q=128, topk 2048, b=128).

@@ -90,7 +90,8 @@ void distinct_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, int32_t* out,
     scratch.resize(static_cast<size_t>(n));
     std::iota(scratch.begin(), scratch.end(), 0);
     for (int64_t i = 0; i < k; ++i) {
-      std::swap(scratch[static_cast<size_t>(i)], scratch[static_cast<size_t>(rng.between(i, n - 1))]);
+      std::swap(scratch[static_cast<size_t>(i)],
+                scratch[static_cast<size_t>(rng.between(i, n - 1))]);
       out[i] = static_cast<int32_t>(lo + scratch[static_cast<size_t>(i)]);
     }
     return;
@@ -108,9 +109,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 double cache_row_bytes(KVFormat f, int64_t h_kv) {
   switch (f) {
-    case KVFormat::kModel1: return 576;  // targets.md counts the row, not the 8-byte footer
-    case KVFormat::kV32: return 656;
-    default: return 2.0 * 576 * static_cast<double>(h_kv);
+    case KVFormat::kModel1:
+      return 576;  // targets.md counts the row, not the 8-byte footer
+    case KVFormat::kV32:
+      return 656;
+    default:
+      return 2.0 * 576 * static_cast<double>(h_kv);
   }
 }
 
@@ -168,8 +172,8 @@ Status build_sparse(const Case& c, Inputs* in, const std::function<void(double)>
       // with the seed, so the FLOP count matches the shape's nominal work at every batch size.
       for (int64_t i = 0; i < b; ++i) {
         const double u = (static_cast<double>(i) + rng.uniform()) / static_cast<double>(b);
-        len[i] = static_cast<int32_t>(1 + std::min<int64_t>(c.extra_topk - 1,
-                                                            static_cast<int64_t>(u * c.extra_topk)));
+        len[i] = static_cast<int32_t>(
+            1 + std::min<int64_t>(c.extra_topk - 1, static_cast<int64_t>(u * c.extra_topk)));
       }
       for (int64_t i = b - 1; i > 0; --i) std::swap(len[i], len[rng.between(0, i)]);
     }
@@ -186,20 +190,21 @@ Status build_sparse(const Case& c, Inputs* in, const std::function<void(double)>
   if (progress) progress(0.1);
 
   // Only referenced slots get data; every other byte stays NaN (0xFF), as in the tests.
-  auto main_ref = ref::sparse_referenced_slots(in->indices.view(), std::nullopt, in->kv.num_slots());
+  auto main_ref =
+      ref::sparse_referenced_slots(in->indices.view(), std::nullopt, in->kv.num_slots());
   const double p_mid = c.extra_topk > 0 ? 0.6 : 1.0;
   fill_slots(in->kv, marked(main_ref), mix(c.seed, 11), progress, 0.1, p_mid);
   std::vector<bool> extra_ref;
   if (c.extra_topk > 0) {
-    extra_ref = ref::sparse_referenced_slots(in->extra_indices.view(),
-                                             in->extra_topk_length.opt_view(),
-                                             in->extra_kv.num_slots());
+    extra_ref = ref::sparse_referenced_slots(
+        in->extra_indices.view(), in->extra_topk_length.opt_view(), in->extra_kv.num_slots());
     fill_slots(in->extra_kv, marked(extra_ref), mix(c.seed, 13), progress, p_mid, 1.0);
   }
 
   // Work: attended tokens per (request, query token) and distinct slots per request.
   double attended = 0, distinct = 0;
-  const auto* eidx = c.extra_topk > 0 ? static_cast<const int32_t*>(in->extra_indices.data()) : nullptr;
+  const auto* eidx =
+      c.extra_topk > 0 ? static_cast<const int32_t*>(in->extra_indices.data()) : nullptr;
   const auto* elen = in->extra_topk_length.defined()
                          ? static_cast<const int32_t*>(in->extra_topk_length.data())
                          : nullptr;
@@ -292,8 +297,8 @@ Status build_store(const Case& c, Inputs* in) {
     latent_row(rr, d_qk, row.data());
     for (int j = 0; j < d_qk; ++j) src[r * d_qk + j] = fmt::float_to_bf16(row[j]);
   }
-  in->work.bytes = static_cast<double>(n) * (d_qk * 2.0 + 4.0 +
-                                              static_cast<double>(kv_format_bytes_per_token(c.format)));
+  in->work.bytes = static_cast<double>(n) *
+                   (d_qk * 2.0 + 4.0 + static_cast<double>(kv_format_bytes_per_token(c.format)));
   return Status::Ok();
 }
 
@@ -302,7 +307,8 @@ Status build_repack(const Case& c, Inputs* in) {
   const int64_t b = c.b;
   std::vector<int32_t> lens(static_cast<size_t>(b));
   for (auto& v : lens) {
-    v = static_cast<int32_t>(std::llround(c.context * (1.0 + c.context_jitter * rng.uniform(-1, 1))));
+    v = static_cast<int32_t>(
+        std::llround(c.context * (1.0 + c.context_jitter * rng.uniform(-1, 1))));
   }
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   ref::CacheConfig sc;
@@ -338,10 +344,14 @@ Status build_repack(const Case& c, Inputs* in) {
 Status build_inputs(const Case& c, Inputs* in, const std::function<void(double)>& progress) {
   *in = Inputs{};
   switch (c.op) {
-    case OpKind::kSparseDecode: return build_sparse(c, in, progress);
-    case OpKind::kDenseDecode: return build_dense(c, in, progress);
-    case OpKind::kQuantizeStore: return build_store(c, in);
-    case OpKind::kRepack: return build_repack(c, in);
+    case OpKind::kSparseDecode:
+      return build_sparse(c, in, progress);
+    case OpKind::kDenseDecode:
+      return build_dense(c, in, progress);
+    case OpKind::kQuantizeStore:
+      return build_store(c, in);
+    case OpKind::kRepack:
+      return build_repack(c, in);
   }
   return Status::Internal("unknown op");
 }
@@ -430,10 +440,14 @@ Status plan_op(const Case& c, const OpArgs& a, const Workspace& ws, const Option
 
 Status run_op(const Case& c, const OpArgs& a, const Workspace& ws, const Options& o) {
   switch (c.op) {
-    case OpKind::kSparseDecode: return sparse_decode(a.sparse, ws, o);
-    case OpKind::kDenseDecode: return dense_decode(a.dense, ws, o);
-    case OpKind::kQuantizeStore: return quantize_store(a.store, o);
-    case OpKind::kRepack: return repack_pages(a.repack, o);
+    case OpKind::kSparseDecode:
+      return sparse_decode(a.sparse, ws, o);
+    case OpKind::kDenseDecode:
+      return dense_decode(a.dense, ws, o);
+    case OpKind::kQuantizeStore:
+      return quantize_store(a.store, o);
+    case OpKind::kRepack:
+      return repack_pages(a.repack, o);
   }
   return Status::Internal("unknown op");
 }
@@ -459,8 +473,8 @@ std::optional<TensorView> slice_opt(const ref::HostTensor& t, int dim, int64_t s
 }
 
 // The reference of one (request, head window) slice of the case.
-ref::RefOutput reference_slice(const Case& c, const Inputs& in, const HostOutputs& dummy,
-                               int64_t i, int64_t h0, int64_t hw) {
+ref::RefOutput reference_slice(const Case& c, const Inputs& in, const HostOutputs& dummy, int64_t i,
+                               int64_t h0, int64_t hw) {
   if (c.op == OpKind::kSparseDecode) {
     SparseDecodeArgs a;
     a.q = slice(slice(in.q.view(), 0, i, 1), 2, h0, hw);
@@ -511,13 +525,15 @@ bool same_token_bytes(const KVCache& a, int64_t slot_a, const KVCache& b, int64_
   auto row = [](const KVCache& k, int64_t slot) {
     const auto* page = static_cast<const uint8_t*>(k.data) + (slot / k.page_size) * k.page_stride;
     const int64_t t = slot % k.page_size;
-    return k.format == KVFormat::kModel1 ? page + fmt::model1_row_offset(t) : page + t * kV32BytesPerToken;
+    return k.format == KVFormat::kModel1 ? page + fmt::model1_row_offset(t)
+                                         : page + t * kV32BytesPerToken;
   };
   auto scales = [](const KVCache& k, int64_t slot) {
     const auto* page = static_cast<const uint8_t*>(k.data) + (slot / k.page_size) * k.page_stride;
     return page + fmt::model1_scale_offset(k.page_size, slot % k.page_size);
   };
-  if (a.format == KVFormat::kV32) return !std::memcmp(row(a, slot_a), row(b, slot_b), kV32BytesPerToken);
+  if (a.format == KVFormat::kV32)
+    return !std::memcmp(row(a, slot_a), row(b, slot_b), kV32BytesPerToken);
   return !std::memcmp(row(a, slot_a), row(b, slot_b), kModel1RowBytes) &&
          !std::memcmp(scales(a, slot_a), scales(b, slot_b), 7);
 }
@@ -618,8 +634,9 @@ Verdict verify(const Case& c, const Inputs& in, const Expected& expected, const 
   Verdict v;
   if (!all_finite_bf16(got.out) || !all_finite_f32(got.lse)) {
     v.ok = false;
-    v.message = "non-finite values in out/lse (unwritten or NaN leaked; every row of the case has "
-                "valid tokens)";
+    v.message =
+        "non-finite values in out/lse (unwritten or NaN leaked; every row of the case has "
+        "valid tokens)";
     return v;
   }
   const ref::Tolerance tol =

@@ -202,7 +202,8 @@ DeviceInfo gpu_info(int device) {
   d.runtime = "CUDA runtime " + std::to_string(rt / 1000) + "." + std::to_string(rt % 1000 / 10);
   std::string clocks = command_output(
       "nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.limit "
-      "--format=csv,noheader -i " + std::to_string(device));
+      "--format=csv,noheader -i " +
+      std::to_string(device));
   d.clocks = clocks.empty() ? "" : "sm, mem, max sm, power limit: " + clocks + "; ";
   d.clocks += "peak sm " + std::to_string(clock_khz / 1000) + " MHz, memory " +
               std::to_string(mem_khz / 1000) + " MHz";
@@ -211,8 +212,9 @@ DeviceInfo gpu_info(int device) {
     d.ceilings = {790, 1270, 4300, "targets.md (measured on H200)"};
   } else if (mem_khz > 0 && bus_bits > 0) {
     d.ceilings.gbps = 2.0 * mem_khz * 1e3 * bus_bits / 8 * 1e-9;
-    d.ceilings.source = "memory: theoretical from clocks and bus width; compute: unknown "
-                        "(give --gpu-peak)";
+    d.ceilings.source =
+        "memory: theoretical from clocks and bus width; compute: unknown "
+        "(give --gpu-peak)";
   }
   return d;
 }

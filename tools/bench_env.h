@@ -17,7 +17,7 @@ DeviceInfo cpu_info();
 DeviceInfo gpu_info(int device);
 #endif
 
-std::string git_commit();        // SPARSE_MLA_COMMIT if set, else git in the working directory
+std::string git_commit();            // SPARSE_MLA_COMMIT if set, else git in the working directory
 std::string utc_now(bool for_file);  // "2026-11-29T10:12:00Z", or "20261129-1012" for file names
 std::string host_name();
 // Lower-case [a-z0-9-] only, e.g. "NVIDIA H200" -> "nvidia-h200".

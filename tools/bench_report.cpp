@@ -68,9 +68,11 @@ Metrics metrics(const Record& r, const Result& res) {
   const double s = m.us * 1e-6;
   if (r.work.flops > 0) m.tflops = r.work.flops / s * 1e-12;
   if (r.work.bytes > 0) m.gbps = r.work.bytes / s * 1e-9;
-  if (res.ceilings && res.ceilings->gbps > 0 && (r.work.flops == 0 || res.ceilings->bf16_tflops > 0)) {
+  if (res.ceilings && res.ceilings->gbps > 0 &&
+      (r.work.flops == 0 || res.ceilings->bf16_tflops > 0)) {
     double floor_s = r.work.bytes / (res.ceilings->gbps * 1e9);
-    if (r.work.flops > 0) floor_s = std::max(floor_s, r.work.flops / (res.ceilings->bf16_tflops * 1e12));
+    if (r.work.flops > 0)
+      floor_s = std::max(floor_s, r.work.flops / (res.ceilings->bf16_tflops * 1e12));
     m.roofline_pct = 100.0 * floor_s / s;
   }
   if (r.c.flashmla_us && res.on_gpu) m.speedup_vs_flashmla = *r.c.flashmla_us / m.us;
@@ -86,7 +88,8 @@ void print_result(FILE* to, const Record& r, const Result& res) {
   const Metrics m = metrics(r, res);
   std::string spread = "-";
   if (res.status == "ok" && res.time.median_us > 0) {
-    spread = "+-" + cell(50.0 * (res.time.p90_us - res.time.p10_us) / res.time.median_us, "%.1f") + "%";
+    spread =
+        "+-" + cell(50.0 * (res.time.p90_us - res.time.p10_us) / res.time.median_us, "%.1f") + "%";
   }
   std::string check = res.status == "ok" ? "PASS" : res.status == "failed" ? "FAIL" : res.status;
   std::fprintf(to, "%-32s %-6s %10s %8s %8s %8s %6s %9s %7s  %s", r.c.name.c_str(),
@@ -111,10 +114,14 @@ void print_summary(FILE* to, const std::vector<Record>& records) {
   for (const auto& r : records) {
     for (const auto& res : r.results) {
       Acc& a = by[res.backend];
-      if (res.status == "ok") ++a.ok;
-      else if (res.status == "failed") ++a.failed;
-      else if (res.status == "skipped") ++a.skipped;
-      else ++a.error;
+      if (res.status == "ok")
+        ++a.ok;
+      else if (res.status == "failed")
+        ++a.failed;
+      else if (res.status == "skipped")
+        ++a.skipped;
+      else
+        ++a.error;
       const Metrics m = metrics(r, res);
       if (std::isfinite(m.speedup_vs_flashmla)) {
         a.log_sum += std::log(m.speedup_vs_flashmla);
@@ -157,7 +164,8 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
     o << (i ? ",\n" : "\n") << "    {\"kind\": " << quote(d.kind) << ", \"name\": " << quote(d.name)
       << ", \"detail\": " << quote(d.detail) << ", \"driver\": " << quote(d.driver)
       << ", \"runtime\": " << quote(d.runtime) << ", \"clocks\": " << quote(d.clocks)
-      << ", \"ceilings\": {\"bf16_tflops\": " << num(d.ceilings.bf16_tflops > 0 ? d.ceilings.bf16_tflops : kNaN)
+      << ", \"ceilings\": {\"bf16_tflops\": "
+      << num(d.ceilings.bf16_tflops > 0 ? d.ceilings.bf16_tflops : kNaN)
       << ", \"fp8_tflops\": " << num(d.ceilings.fp8_tflops > 0 ? d.ceilings.fp8_tflops : kNaN)
       << ", \"gbps\": " << num(d.ceilings.gbps > 0 ? d.ceilings.gbps : kNaN)
       << ", \"source\": " << quote(d.ceilings.source) << "}}";
@@ -166,14 +174,14 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
     const Case& c = r.c;
-    o << (i ? ",\n" : "\n") << "    {\"name\": " << quote(c.name) << ", \"suite\": " << quote(c.suite)
-      << ", \"config\": " << quote(c.config) << ", \"op\": " << quote(op_name(c.op))
-      << ", \"format\": " << quote(kv_format_name(c.format)) << ", \"b\": " << c.b
-      << ", \"s_q\": " << c.s_q << ", \"h_q\": " << c.h_q;
+    o << (i ? ",\n" : "\n") << "    {\"name\": " << quote(c.name)
+      << ", \"suite\": " << quote(c.suite) << ", \"config\": " << quote(c.config)
+      << ", \"op\": " << quote(op_name(c.op)) << ", \"format\": " << quote(kv_format_name(c.format))
+      << ", \"b\": " << c.b << ", \"s_q\": " << c.s_q << ", \"h_q\": " << c.h_q;
     if (c.op == OpKind::kSparseDecode) {
       o << ", \"topk\": " << c.topk << ", \"page_size\": " << c.page_size
-        << ", \"extra_topk\": " << c.extra_topk << ", \"extra_page_size\": "
-        << (c.extra_topk ? c.extra_page_size : 0)
+        << ", \"extra_topk\": " << c.extra_topk
+        << ", \"extra_page_size\": " << (c.extra_topk ? c.extra_page_size : 0)
         << ", \"extra_random_length\": " << (c.extra_random_length ? "true" : "false")
         << ", \"context\": " << c.context << ", \"sink\": " << (c.sink ? "true" : "false");
     } else if (c.op == OpKind::kDenseDecode) {
@@ -192,8 +200,8 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
         << ", \"dst_page_size\": " << c.extra_page_size;
     }
     o << ", \"flashmla_us\": " << num(c.flashmla_us.value_or(kNaN), 6)
-      << ", \"flashmla_note\": " << quote(c.flashmla_note) << ", \"flops\": " << num(r.work.flops, 8)
-      << ", \"bytes\": " << num(r.work.bytes, 8)
+      << ", \"flashmla_note\": " << quote(c.flashmla_note)
+      << ", \"flops\": " << num(r.work.flops, 8) << ", \"bytes\": " << num(r.work.bytes, 8)
       << ", \"attended_per_query\": " << num(r.work.attended_per_query, 6)
       << ", \"verified\": " << quote(r.verified) << ", \"build_s\": " << num(r.build_s, 3)
       << ",\n     \"results\": [";
@@ -239,14 +247,14 @@ std::string to_csv(const RunInfo& info, const std::vector<Record>& records) {
       const bool timed = res.status == "ok" && res.time.runs > 0;
       o << csv_field(r.c.name) << ',' << r.c.suite << ',' << csv_field(r.c.config) << ','
         << op_name(r.c.op) << ',' << kv_format_name(r.c.format) << ',' << r.c.b << ',' << r.c.s_q
-        << ',' << r.c.h_q << ',' << res.backend << ',' << res.status << ','
-        << n(m.us) << ',' << n(timed ? res.time.p10_us : kNaN) << ','
-        << n(timed ? res.time.p90_us : kNaN) << ',' << res.time.runs << ','
-        << n(res.graph_time ? res.graph_time->median_us : kNaN) << ',' << n(m.tflops) << ','
-        << n(m.gbps) << ',' << n(m.roofline_pct) << ',' << n(r.c.flashmla_us.value_or(kNaN)) << ','
-        << n(m.speedup_vs_flashmla) << ',' << n(r.work.flops) << ',' << n(r.work.bytes) << ','
-        << n(res.verdict.max_abs_err) << ',' << csv_field(res.message) << ',' << csv_field(device)
-        << ',' << info.commit << ',' << info.date << ',' << csv_field(info.command) << '\n';
+        << ',' << r.c.h_q << ',' << res.backend << ',' << res.status << ',' << n(m.us) << ','
+        << n(timed ? res.time.p10_us : kNaN) << ',' << n(timed ? res.time.p90_us : kNaN) << ','
+        << res.time.runs << ',' << n(res.graph_time ? res.graph_time->median_us : kNaN) << ','
+        << n(m.tflops) << ',' << n(m.gbps) << ',' << n(m.roofline_pct) << ','
+        << n(r.c.flashmla_us.value_or(kNaN)) << ',' << n(m.speedup_vs_flashmla) << ','
+        << n(r.work.flops) << ',' << n(r.work.bytes) << ',' << n(res.verdict.max_abs_err) << ','
+        << csv_field(res.message) << ',' << csv_field(device) << ',' << info.commit << ','
+        << info.date << ',' << csv_field(info.command) << '\n';
     }
   }
   return o.str();

@@ -36,8 +36,8 @@ struct RunInfo {
   std::string commit;   // git, "-dirty" when tracked files differ
   std::string command;  // the exact command line
   std::string host;
-  std::string suite;    // "quick", "full" or the filter
-  std::string verify;   // verification mode
+  std::string suite;   // "quick", "full" or the filter
+  std::string verify;  // verification mode
   int runs = 0, warmup = 0;
   bool graph = false;
   std::vector<DeviceInfo> devices;  // the CPU always, the GPU when one is used
@@ -58,7 +58,7 @@ struct Result {
 struct Record {
   Case c;
   Work work;
-  double build_s = 0;  // host time to build inputs and the reference
+  double build_s = 0;    // host time to build inputs and the reference
   std::string verified;  // what the reference check covered
   std::vector<Result> results;
 };

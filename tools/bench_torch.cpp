@@ -86,8 +86,9 @@ Status TorchBaseline::start(const std::string& python, const std::string& device
                             int device_index) {
   const std::string script = find_script();
   if (script.empty()) {
-    return Status::InvalidArgument("--torch: bench/torch_baseline.py not found (run from the "
-                                   "repository root or set SPARSE_MLA_TORCH_SCRIPT)");
+    return Status::InvalidArgument(
+        "--torch: bench/torch_baseline.py not found (run from the "
+        "repository root or set SPARSE_MLA_TORCH_SCRIPT)");
   }
   const char* tmp = std::getenv("TMPDIR");
   std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/sparse-mla-torch-XXXXXX";
@@ -151,7 +152,8 @@ Status TorchBaseline::request(const std::string& line, std::string* reply) {
     *reply = got.substr(3);
     return Status::Ok();
   }
-  return Status::Internal("PyTorch baseline: " + (got.rfind("ERROR\t", 0) == 0 ? got.substr(6) : got));
+  return Status::Internal("PyTorch baseline: " +
+                          (got.rfind("ERROR\t", 0) == 0 ? got.substr(6) : got));
 }
 
 Result TorchBaseline::run(const Case& c, const Inputs& in, const Expected& expected, int runs,
@@ -179,14 +181,15 @@ Result TorchBaseline::run(const Case& c, const Inputs& in, const Expected& expec
     const KVCache d = k.desc();
     ok = ok && write_bytes(path, d.data, cache_bytes(k));
     files.push_back(path);
-    m << key << ' ' << path << '\n' << key << "_pages " << d.num_pages << '\n'
-      << key << "_page_size " << d.page_size << '\n' << key << "_page_stride " << d.page_stride << '\n'
+    m << key << ' ' << path << '\n'
+      << key << "_pages " << d.num_pages << '\n'
+      << key << "_page_size " << d.page_size << '\n'
+      << key << "_page_stride " << d.page_stride << '\n'
       << key << "_heads " << d.num_heads << '\n';
   };
   m << "op " << op_name(c.op) << "\nformat " << kv_format_name(c.format) << "\nb " << c.b
     << "\ns_q " << c.s_q << "\nh_q " << c.h_q << "\nd_qk " << kv_format_d_qk(c.format)
-    << "\ncausal " << (c.causal ? 1 : 0) << "\nruns " << runs
-    << "\nwarmup " << warmup << '\n';
+    << "\ncausal " << (c.causal ? 1 : 0) << "\nruns " << runs << "\nwarmup " << warmup << '\n';
   char scale[64];
   std::snprintf(scale, sizeof scale, "%.9g", static_cast<double>(in.softmax_scale));
   m << "scale " << scale << '\n';

@@ -1,6 +1,6 @@
 // Timing helpers shared by the command-line tools: run statistics, a steady-clock CPU timer and,
-// in CUDA builds, a GPU timer that flushes L2 before each run and times with CUDA events (optionally
-// replaying a CUDA graph). The method is documented in docs/benchmarking.md.
+// in CUDA builds, a GPU timer that flushes L2 before each run and times with CUDA events
+// (optionally replaying a CUDA graph). The method is documented in docs/benchmarking.md.
 #pragma once
 
 #include <algorithm>
@@ -179,7 +179,8 @@ class GpuTimer {
       if (st.ok()) st = cuda_check(cudaStreamSynchronize(stream_), "timed runs");
       for (int i = 0; i < n && st.ok(); ++i) {
         float ms = 0;
-        st = cuda_check(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+        st =
+            cuda_check(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
         us->push_back(static_cast<double>(ms) * 1e3);
         spent_s += static_cast<double>(ms) * 1e-3;
       }
