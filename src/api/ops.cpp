@@ -45,6 +45,11 @@ Status requested_backend(const Options& options, Backend* requested) {
 
 // Picks the backend for tensors on `device`. `op` names the operation for messages.
 Status select_backend(const Options& options, Device device, const char* op, Backend* chosen) {
+  if (device.type != DeviceType::kCPU && device.type != DeviceType::kCUDA) {
+    return Status::InvalidArgument(std::string(op) + ": device type " +
+                                   std::to_string(static_cast<int>(device.type)) +
+                                   ", expected cpu or cuda");
+  }
   Backend requested = Backend::kAuto;
   SPARSE_MLA_RETURN_IF_ERROR(requested_backend(options, &requested));
   if (device.type == DeviceType::kCPU) {

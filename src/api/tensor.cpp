@@ -1,5 +1,7 @@
 #include "sparse_mla/tensor.h"
 
+#include <cstdint>
+
 namespace sparse_mla {
 
 size_t dtype_size(DType dtype) {
@@ -63,15 +65,22 @@ TensorView TensorView::strided(void* data, DType dtype, Device device,
   return t;
 }
 
+// Helpers below read at most kMaxDims entries, whatever ndim claims (validation rejects the rest).
+static int clamped_rank(int ndim) { return ndim < 0 ? 0 : (ndim > kMaxDims ? kMaxDims : ndim); }
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < clamped_rank(ndim); ++d) {
+    if (shape[d] <= 0) return 0;
+    if (n > INT64_MAX / shape[d]) return INT64_MAX;  // saturate instead of overflowing
+    n *= shape[d];
+  }
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   int64_t stride = 1;
-  for (int d = ndim - 1; d >= 0; --d) {
+  for (int d = clamped_rank(ndim) - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != stride) return false;
     stride *= shape[d];
   }
@@ -80,7 +89,7 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::shape_string() const {
   std::string s = "[";
-  for (int d = 0; d < ndim; ++d) {
+  for (int d = 0; d < clamped_rank(ndim); ++d) {
     if (d) s += ", ";
     s += std::to_string(shape[d]);
   }

@@ -34,9 +34,10 @@ Status check_tensor(const TensorView& t, const TensorSpec& spec) {
   const std::string name(spec.name);
   const int rank = static_cast<int>(spec.shape.size());
   if (t.ndim != rank) {
-    return Status::InvalidArgument(name + ": rank " + std::to_string(t.ndim) + " (shape " +
-                                   shape_of(t) + "), expected " + std::to_string(rank) + " " +
-                                   spec.shape_doc);
+    const bool representable = t.ndim >= 0 && t.ndim <= kMaxDims;
+    return Status::InvalidArgument(name + ": rank " + std::to_string(t.ndim) +
+                                   (representable ? " (shape " + shape_of(t) + ")" : "") +
+                                   ", expected " + std::to_string(rank) + " " + spec.shape_doc);
   }
   bool dtype_ok = false;
   for (DType d : spec.dtypes) dtype_ok |= (d == t.dtype);
@@ -61,7 +62,8 @@ Status check_tensor(const TensorView& t, const TensorSpec& spec) {
   }
   const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
   const size_t align = spec.alignment ? spec.alignment : static_cast<size_t>(elem);
-  const bool empty = t.numel() == 0;
+  bool empty = false;  // any zero extent; no product, so nothing can overflow
+  for (int d = 0; d < rank; ++d) empty |= t.shape[d] == 0;
   if (!empty && t.data == nullptr) {
     return Status::InvalidArgument(name + ": data pointer is null for shape " + shape_of(t));
   }
@@ -114,6 +116,11 @@ Status check_same_device(const TensorView& t, const char* name, Device expected,
 
 Status check_kv_cache(const KVCache& kv, const char* arg) {
   const std::string name(arg);
+  if (static_cast<int>(kv.format) > static_cast<int>(KVFormat::kFP16)) {
+    return Status::InvalidArgument(name + ": format value " +
+                                   std::to_string(static_cast<int>(kv.format)) +
+                                   ", expected MODEL1, V32, BF16 or FP16");
+  }
   if (kv.num_heads < 1 || (kv_format_is_fp8(kv.format) && kv.num_heads != 1) ||
       kv.num_heads > 128) {
     return Status::InvalidArgument(name + ": num_heads " + std::to_string(kv.num_heads) +

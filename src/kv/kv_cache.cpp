@@ -38,6 +38,16 @@ Status kv_cache_from_tensor(const TensorView& t, const char* arg, KVCache* cache
     return Status::InvalidArgument(name + ": rank " + std::to_string(t.ndim) +
                                    ", expected 4 ([num_pages, page_size, h_kv, bytes or 576])");
   }
+  for (int d = 0; d < 4; ++d) {
+    if (t.shape[d] < 0 || t.shape[d] > (int64_t{1} << 31) - 1) {
+      return Status::InvalidArgument(name + ": dim " + std::to_string(d) + " is " +
+                                     std::to_string(t.shape[d]) + ", expected 0..2147483647");
+    }
+    if (t.strides[d] < 0 || t.strides[d] > (int64_t{1} << 48)) {
+      return Status::InvalidArgument(name + ": stride " + std::to_string(d) + " is " +
+                                     std::to_string(t.strides[d]) + ", expected 0..2^48");
+    }
+  }
   KVCache c;
   c.data = t.data;
   c.device = t.device;

@@ -1,7 +1,7 @@
 // The fuzz targets (fuzz/targets.h) inside the normal test binary: every committed seed and crash
 // reproducer (fuzz/corpus/<target>/, fuzz/regressions/<target>/) is replayed, plus a batch of
-// fresh random inputs per target. Issues the fuzzers found and that are not fixed yet are kept as
-// DISABLED_ tests that reproduce them directly through the API (see docs/robustness.md).
+// fresh random inputs per target. Issues the fuzzers found are kept as tests that reproduce them
+// directly through the API (see docs/robustness.md).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -98,7 +98,7 @@ TEST(FuzzFindings, RepackInsideOnePool) {
   EXPECT_EQ(0, std::memcmp(pool + 2 * kStride + kPage * 576, pool + kPage * 576, 2 * 8));
 }
 
-// ---- Findings not fixed yet (reported; the fuzzers avoid these inputs by default) ----
+// ---- Fuzzer findings, fixed; each test reproduces one through the API ----
 
 struct SparseArgs {
   std::vector<uint16_t> q = std::vector<uint16_t>(512, 0);
@@ -119,7 +119,7 @@ struct SparseArgs {
 // src/api/tensor.cpp: a TensorView whose ndim exceeds kMaxDims is rejected, but building the
 // message ("q: rank 6 (shape [...])") reads shape[5..ndim) past the array (UBSan: index out of
 // bounds; with a large ndim, ASan: out-of-bounds read). Fails under scripts/sanitize.sh.
-TEST(FuzzFindings, DISABLED_RankAboveMaxDims) {
+TEST(FuzzFindings, RankAboveMaxDims) {
   SparseArgs s;
   s.args.q.ndim = 64;
   Backend chosen;
@@ -131,7 +131,7 @@ TEST(FuzzFindings, DISABLED_RankAboveMaxDims) {
 // src/kv/kv_cache.cpp: kv_cache_from_tensor computes page_size * bytes_per_token and
 // strides[0] * element size without range checks; huge extents overflow int64 (UBSan: signed
 // overflow) and the resulting descriptor is accepted.
-TEST(FuzzFindings, DISABLED_CacheFromTensorHugePageOverflows) {
+TEST(FuzzFindings, CacheFromTensorHugePageOverflows) {
   alignas(16) static uint8_t bytes[656];
   TensorView t;  // set by hand: TensorView::strided would overflow computing default strides
   t.data = bytes;
@@ -147,7 +147,7 @@ TEST(FuzzFindings, DISABLED_CacheFromTensorHugePageOverflows) {
 // src/api/tensor.cpp: TensorView::numel multiplies extents without an overflow check; check_tensor
 // calls it before its range check, so a 4-D view with large (individually valid) extents
 // overflows int64 (UBSan: signed overflow) before being rejected.
-TEST(FuzzFindings, DISABLED_NumelOverflows) {
+TEST(FuzzFindings, NumelOverflows) {
   SparseArgs s;
   const int64_t big = (int64_t{1} << 31) - 1;
   for (int d = 0; d < 3; ++d) s.args.q.shape[d] = big, s.args.q.strides[d] = 0;
@@ -159,7 +159,7 @@ TEST(FuzzFindings, DISABLED_NumelOverflows) {
 // src/api/validate.cpp: check_kv_cache accepts a KVFormat value outside the enum (its
 // bytes_per_token is 0, so any page_stride passes); dequantize then returns OK without writing
 // its output, a silent wrong answer.
-TEST(FuzzFindings, DISABLED_UnknownCacheFormat) {
+TEST(FuzzFindings, UnknownCacheFormat) {
   alignas(16) uint8_t cache[64] = {};
   int32_t slot = 0;
   std::vector<float> out(576, -7.f);

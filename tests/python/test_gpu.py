@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 import sparse_mla as sm  # noqa: E402
 import sparse_mla.flash_mla as flash_mla  # noqa: E402
 from reference import (BF16, MODEL1, V32, assert_close, bf16_bits_to_f64,  # noqa: E402
-                       dense_decode_ref, new_cache, random_q)
+                       dense_decode_ref, f32_to_bf16_bits, new_cache, random_q,
+                       random_rows, sm_scale)
 from torch_util import reference_of, sparse_problem, t, t_bf16, t_cache, torch_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -58,17 +59,20 @@ def test_native_sparse_decode_on_gpu_without_extra(h_q):
 def test_flash_mla_dense_on_gpu(h_q, causal):
     rng = np.random.default_rng(300 + h_q)
     cache = new_cache(BF16, 8, 64)
-    cache.buf.view(np.uint16)[...] = random_q(rng, cache.buf.shape)
+    # Spec section 7 conditions: cache values ~N(0, 0.1^2) clipped, softmax scale d_qk^-0.55.
+    rows = random_rows(rng, cache.buf.size // 576, 576)
+    cache.buf.view(np.uint16)[...] = f32_to_bf16_bits(rows).reshape(cache.buf.shape)
     bt = np.array([[7, 0, 3], [1, 5, 2]], np.int32)
     seqlens = np.array([150, 9], np.int32)
     q = random_q(rng, (2, 2, h_q, 576))
     meta, _ = flash_mla.get_mla_metadata()
     out, lse = flash_mla.flash_mla_with_kvcache(t_bf16(q, DEV), t_cache(cache, DEV),
                                                 t(bt, DEV), t(seqlens, DEV), 512, meta,
-                                                causal=causal)
+                                                softmax_scale=sm_scale(576), causal=causal)
     assert lse.is_contiguous()
     assert_close(out, lse, *dense_decode_ref(bf16_bits_to_f64(q), cache, bt, seqlens,
-                                             causal=causal), dense=True)
+                                             causal=causal, softmax_scale=sm_scale(576)),
+                 dense=True)
 
 
 def test_runs_on_the_current_torch_stream():
