@@ -320,7 +320,13 @@ inline void check_empty_row(Findings& f, const char* what, const Buf& out, const
 }
 
 inline void compare_reference(Findings& f, const char* what, const Buf& out, const Buf& lse,
-                              const ref::RefOutput& r, const ref::Tolerance& tol) {
+                              const ref::RefOutput& r, ref::Tolerance tol) {
+  // The cosine bound is statistical: over a handful of elements, correct bf16 rounding alone
+  // (relative error up to 2^-8) reaches (2^-8)^2 / 2 = 7.6e-6. Small outputs get that bound
+  // plus margin; the per-element bounds stay as in the spec.
+  int64_t elements = 1;
+  for (int d = 0; d < out.view.ndim; ++d) elements *= out.view.shape[d];
+  if (elements < 4096) tol.cos_diff = std::max(tol.cos_diff, 1e-5);
   const ref::CompareResult c = ref::compare_outputs(out.view, lse.view, r, tol);
   if (!c.ok) f.fail(std::string(what) + " vs the fp64 reference: " + c.summary());
 }
