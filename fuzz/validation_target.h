@@ -98,10 +98,7 @@ class Builder {
                     Device dev, IntFill fill = {}) {
     TensorView t;
     const int want_rank = static_cast<int>(want.size());
-    // Known issue: a rank above kMaxDims is read past the shape array while the error message is
-    // built (DISABLED_RankAboveMaxDims).
-    t.ndim = in_.u8() % 40 == 0 ? static_cast<int>(in_.range(-1, avoid_known_issues() ? kMaxDims : 7))
-                                : want_rank;
+    t.ndim = in_.u8() % 40 == 0 ? static_cast<int>(in_.range(-1, 64)) : want_rank;
     switch (in_.u8() % 40) {
       case 0: t.dtype = kAllDTypes[in_.u8() % 6]; break;
       case 1: t.dtype = static_cast<DType>(in_.range(6, 255)); break;
@@ -110,15 +107,6 @@ class Builder {
     t.device = device(dev);
     const int dims = std::min(std::max(t.ndim, 0), kMaxDims);
     for (int d = 0; d < dims; ++d) t.shape[d] = d < want_rank ? extent(want[d]) : in_.range(0, 3);
-    // Known issue: a product of extents past int64 overflows TensorView::numel
-    // (DISABLED_NumelOverflows).
-    if (avoid_known_issues()) {
-      int64_t product = 1;
-      for (int d = 0; d < dims; ++d) product = sat_mul(product, t.shape[d] < 0 ? 1 : t.shape[d]);
-      for (int d = 0; d < dims && product == INT64_MAX; ++d) {
-        if (t.shape[d] > (1 << 20)) t.shape[d] = 1;
-      }
-    }
     strides(t, dims);
     for (int d = 0; d < dims; ++d) {
       if (t.shape[d] > 4096 || t.shape[d] < 0 || t.strides[d] > (1 << 24) || t.strides[d] < -(1 << 24)) {
@@ -133,9 +121,7 @@ class Builder {
   KVCache cache(KVFormat format, int64_t heads, Device dev) {
     KVCache c;
     c.device = device(dev);
-    // Known issue: formats outside the enum pass check_kv_cache (DISABLED_UnknownCacheFormat).
-    c.format = in_.u8() % 40 == 0 ? static_cast<KVFormat>(in_.range(0, avoid_known_issues() ? 3 : 255))
-                                  : format;
+    c.format = in_.u8() % 40 == 0 ? static_cast<KVFormat>(in_.range(0, 255)) : format;
     c.num_heads = in_.u8() % 40 == 0 ? in_.pick<int64_t>({0, -1, 2, 128, 129, INT64_MAX}) : heads;
     switch (in_.u8() % 24) {
       case 0: c.page_size = in_.pick<int64_t>({0, -1, kMaxExtent, kMaxExtent + 1, int64_t{1} << 40});
@@ -838,14 +824,6 @@ inline void cache_from_tensor(Builder& b, Findings& f, Arena& arena) {
   const DType dtype = kind == 0 || kind == 1 ? (in.coin() ? DType::kUInt8 : DType::kFloat8E4M3)
                                              : (kind == 2 ? DType::kBFloat16 : DType::kFloat16);
   const TensorView t = b.tensor("k_cache", false, dtype, {pages, page, heads, last}, dev);
-  // Known issue: huge extents or strides overflow int64 while the page stride is computed
-  // (DISABLED_CacheFromTensorHugePageOverflows).
-  if (avoid_known_issues()) {
-    for (int d = 0; d < std::min(std::max(t.ndim, 0), kMaxDims); ++d) {
-      const int64_t big = int64_t{1} << 40;
-      if (t.shape[d] > big || t.shape[d] < -big || t.strides[d] > big || t.strides[d] < -big) return;
-    }
-  }
   KVCache kv;
   const Status s = kv_cache_from_tensor(t, "k_cache", &kv);
   if (!s.ok()) {

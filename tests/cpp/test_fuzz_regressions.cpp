@@ -10,12 +10,18 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "fuzz/targets.h"
 #include "sparse_mla/sparse_mla.h"
+
+namespace sparse_mla::fuzz {
+// gtest prints a failing parameter by its name.
+void PrintTo(const Target& target, std::ostream* os) { *os << target.name; }
+}  // namespace sparse_mla::fuzz
 
 namespace sparse_mla {
 namespace {
@@ -116,9 +122,8 @@ struct SparseArgs {
   }
 };
 
-// src/api/tensor.cpp: a TensorView whose ndim exceeds kMaxDims is rejected, but building the
-// message ("q: rank 6 (shape [...])") reads shape[5..ndim) past the array (UBSan: index out of
-// bounds; with a large ndim, ASan: out-of-bounds read). Fails under scripts/sanitize.sh.
+// A TensorView whose ndim exceeds kMaxDims was rejected, but building the message read
+// shape[5..ndim) past the array (UBSan: index out of bounds; ASan with a large ndim).
 TEST(FuzzFindings, RankAboveMaxDims) {
   SparseArgs s;
   s.args.q.ndim = 64;
@@ -128,9 +133,8 @@ TEST(FuzzFindings, RankAboveMaxDims) {
   EXPECT_NE(st.message().find("q: rank 64"), std::string::npos) << st.message();
 }
 
-// src/kv/kv_cache.cpp: kv_cache_from_tensor computes page_size * bytes_per_token and
-// strides[0] * element size without range checks; huge extents overflow int64 (UBSan: signed
-// overflow) and the resulting descriptor is accepted.
+// kv_cache_from_tensor computed page_size * bytes_per_token and strides[0] * element size
+// without range checks: huge extents overflowed int64 (UBSan: signed overflow).
 TEST(FuzzFindings, CacheFromTensorHugePageOverflows) {
   alignas(16) static uint8_t bytes[656];
   TensorView t;  // set by hand: TensorView::strided would overflow computing default strides
@@ -144,9 +148,8 @@ TEST(FuzzFindings, CacheFromTensorHugePageOverflows) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
 }
 
-// src/api/tensor.cpp: TensorView::numel multiplies extents without an overflow check; check_tensor
-// calls it before its range check, so a 4-D view with large (individually valid) extents
-// overflows int64 (UBSan: signed overflow) before being rejected.
+// TensorView::numel multiplied extents without an overflow check and check_tensor called it
+// first, so a 4-D view with large (individually valid) extents overflowed int64 (UBSan).
 TEST(FuzzFindings, NumelOverflows) {
   SparseArgs s;
   const int64_t big = (int64_t{1} << 31) - 1;
@@ -156,9 +159,8 @@ TEST(FuzzFindings, NumelOverflows) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
 }
 
-// src/api/validate.cpp: check_kv_cache accepts a KVFormat value outside the enum (its
-// bytes_per_token is 0, so any page_stride passes); dequantize then returns OK without writing
-// its output, a silent wrong answer.
+// check_kv_cache accepted a KVFormat value outside the enum (bytes_per_token 0, so any
+// page_stride passed); dequantize then returned OK without writing its output.
 TEST(FuzzFindings, UnknownCacheFormat) {
   alignas(16) uint8_t cache[64] = {};
   int32_t slot = 0;
@@ -169,6 +171,19 @@ TEST(FuzzFindings, UnknownCacheFormat) {
   a.out = TensorView::contiguous(out.data(), DType::kFloat32, kHost, {1, 576});
   const Status st = dequantize(a, Options{Backend::kCPU, nullptr});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+}
+
+// A DeviceType value outside the enum was taken for a CUDA device (and, in a CUDA build, could
+// reach the CUDA backend with host pointers).
+TEST(FuzzFindings, DeviceTypeOutsideEnum) {
+  SparseArgs s;
+  const Device odd{static_cast<DeviceType>(7), 0};
+  for (TensorView* t : {&s.args.q, &s.args.indices, &s.args.out, &s.args.lse}) t->device = odd;
+  s.args.kv.device = odd;
+  Backend chosen;
+  const Status st = sparse_decode_supported(s.args, Options{}, &chosen);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("device type 7"), std::string::npos) << st.message();
 }
 
 }  // namespace
