@@ -189,7 +189,8 @@ inline void fill_slot(Cache& c, int64_t slot, bool moderate, Gen& gen) {
   for (int j = 0; j < nope + 64; ++j) vals[j] = value();
   for (int t0 = 0; t0 < nope; t0 += tile) {
     float amax = 0;
-    for (int j = t0; j < t0 + tile; ++j) amax = std::max(amax, static_cast<float>(std::fabs(vals[j])));
+    for (int j = t0; j < t0 + tile; ++j)
+      amax = std::max(amax, static_cast<float>(std::fabs(vals[j])));
     const int e = model::scale_exponent(amax);
     for (int j = t0; j < t0 + tile; ++j) row[j] = model::e4m3_encode(vals[j] / std::ldexp(1.0, e));
     if (m1) {
@@ -215,19 +216,27 @@ inline void scramble_unreferenced(Cache& c, Gen& gen, bool nan) {
 inline int32_t adversarial_index(Input& in, int64_t bound) {
   switch (in.u8() % 12) {
     case 0:
-    case 1: return -1;
-    case 2: return static_cast<int32_t>(bound);
-    case 3: return in.pick<int32_t>({INT32_MIN, INT32_MAX, -2, INT32_MIN + 1});
-    case 4: return static_cast<int32_t>(in.u32());
-    default: return bound > 0 ? static_cast<int32_t>(in.u32() % bound) : -1;
+    case 1:
+      return -1;
+    case 2:
+      return static_cast<int32_t>(bound);
+    case 3:
+      return in.pick<int32_t>({INT32_MIN, INT32_MAX, -2, INT32_MIN + 1});
+    case 4:
+      return static_cast<int32_t>(in.u32());
+    default:
+      return bound > 0 ? static_cast<int32_t>(in.u32() % bound) : -1;
   }
 }
 
 inline int32_t adversarial_length(Input& in, int64_t count) {
   switch (in.u8() % 6) {
-    case 0: return in.pick<int32_t>({INT32_MIN, INT32_MAX, -1, 0});
-    case 1: return static_cast<int32_t>(count + in.range(1, 3));
-    default: return static_cast<int32_t>(in.range(0, count));
+    case 0:
+      return in.pick<int32_t>({INT32_MIN, INT32_MAX, -1, 0});
+    case 1:
+      return static_cast<int32_t>(count + in.range(1, 3));
+    default:
+      return static_cast<int32_t>(in.range(0, count));
   }
 }
 
@@ -236,11 +245,16 @@ inline uint32_t value_bits(Input& in, Gen& gen, bool moderate) {
   const float u = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-31f;
   if (moderate) return model::bits(u);
   switch (in.u8() % 10) {
-    case 0: return model::bits(NAN);
-    case 1: return model::bits(in.coin() ? INFINITY : -INFINITY);
-    case 2: return model::bits(std::ldexp(u, static_cast<int>(in.range(-130, 127))));
-    case 3: return in.u32();
-    default: return model::bits(u);
+    case 0:
+      return model::bits(NAN);
+    case 1:
+      return model::bits(in.coin() ? INFINITY : -INFINITY);
+    case 2:
+      return model::bits(std::ldexp(u, static_cast<int>(in.range(-130, 127))));
+    case 3:
+      return in.u32();
+    default:
+      return model::bits(u);
   }
 }
 
@@ -333,11 +347,16 @@ inline void compare_reference(Findings& f, const char* what, const Buf& out, con
 
 inline std::optional<float> decode_scale(Input& in, int d_qk) {
   switch (in.u8() % 6) {
-    case 0: return std::nullopt;
-    case 1: return static_cast<float>(std::pow(d_qk, -0.55));
-    case 2: return 1e-3f;
-    case 3: return 0.5f;
-    default: return static_cast<float>(std::pow(d_qk, -0.5));
+    case 0:
+      return std::nullopt;
+    case 1:
+      return static_cast<float>(std::pow(d_qk, -0.55));
+    case 2:
+      return 1e-3f;
+    case 3:
+      return 0.5f;
+    default:
+      return static_cast<float>(std::pow(d_qk, -0.5));
   }
 }
 
@@ -365,9 +384,8 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
   }
   if (use_extra) {
     eidx = make_buf(in, arena, DType::kInt32, {b, s_q, extra_topk});
-    eidx->each([&](int64_t off) {
-      eidx->set<int32_t>(off, adversarial_index(in, extra.kv.num_slots()));
-    });
+    eidx->each(
+        [&](int64_t off) { eidx->set<int32_t>(off, adversarial_index(in, extra.kv.num_slots())); });
     if (in.coin()) {
       elen = make_buf(in, arena, DType::kInt32, {b});
       elen->each([&](int64_t off) { elen->set<int32_t>(off, adversarial_length(in, extra_topk)); });
@@ -378,10 +396,17 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
     sink->each([&](int64_t off) {
       float v;
       switch (in.u8() % 6) {
-        case 0: v = -INFINITY; break;
-        case 1: v = INFINITY; break;
-        case 2: v = moderate ? 0.f : NAN; break;
-        default: v = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-29f;
+        case 0:
+          v = -INFINITY;
+          break;
+        case 1:
+          v = INFINITY;
+          break;
+        case 2:
+          v = moderate ? 0.f : NAN;
+          break;
+        default:
+          v = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-29f;
       }
       sink->set<float>(off, v);
     });
@@ -421,8 +446,8 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
     gen.fill(c->bytes, c->size);
     for (int64_t slot = 0; slot < c->kv.num_slots(); ++slot) {
       const int64_t page = slot / c->kv.page_size, t = slot % c->kv.page_size;
-      const int64_t at = page * c->kv.page_stride +
-                         t * (c->kv.format == KVFormat::kModel1 ? 576 : 656);
+      const int64_t at =
+          page * c->kv.page_stride + t * (c->kv.format == KVFormat::kModel1 ? 576 : 656);
       if (c->referenced[at]) fill_slot(*c, slot, moderate, gen);
     }
   }
@@ -462,13 +487,15 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
     if (use_extra) past(*eidx, elen, extra_topk, extra.kv.num_slots());
   };
   std::vector<std::vector<uint8_t>> result;
-  twice(f, "sparse_decode", {&out, &lse}, [&] { return sparse_decode(a, Workspace{}, o); },
-        rescramble, &result);
+  twice(
+      f, "sparse_decode", {&out, &lse}, [&] { return sparse_decode(a, Workspace{}, o); },
+      rescramble, &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
       if (row_has_token[i * s_q + s]) continue;
-      for (int64_t h = 0; h < h_q && !f.any(); ++h) check_empty_row(f, "sparse_decode", out, lse, i, s, h);
+      for (int64_t h = 0; h < h_q && !f.any(); ++h)
+        check_empty_row(f, "sparse_decode", out, lse, i, s, h);
     }
   }
   if (moderate && !f.any()) {
@@ -539,20 +566,22 @@ inline void dense(Input& in, Arena& arena, Findings& f, bool moderate) {
     // Block-table entries past the pages a request uses may name any page.
     for (int64_t i = 0; i < b; ++i) {
       for (int64_t p = (lens[i] + kv.kv.page_size - 1) / kv.kv.page_size; p < max_pages; ++p) {
-        table.set<int32_t>(table.offset({i, p}),
-                           kv.kv.num_pages > 0 ? static_cast<int32_t>(gen.u32() % kv.kv.num_pages)
-                                               : -1);
+        table.set<int32_t>(
+            table.offset({i, p}),
+            kv.kv.num_pages > 0 ? static_cast<int32_t>(gen.u32() % kv.kv.num_pages) : -1);
       }
     }
   };
   std::vector<std::vector<uint8_t>> result;
-  twice(f, "dense_decode", {&out, &lse}, [&] { return dense_decode(a, Workspace{}, o); },
-        rescramble, &result);
+  twice(
+      f, "dense_decode", {&out, &lse}, [&] { return dense_decode(a, Workspace{}, o); }, rescramble,
+      &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
       if (row_has_token[i * s_q + s]) continue;
-      for (int64_t h = 0; h < h_q && !f.any(); ++h) check_empty_row(f, "dense_decode", out, lse, i, s, h);
+      for (int64_t h = 0; h < h_q && !f.any(); ++h)
+        check_empty_row(f, "dense_decode", out, lse, i, s, h);
     }
   }
   if (moderate && !f.any()) {
@@ -567,18 +596,27 @@ inline void merge(Input& in, Arena& arena, Findings& f, bool moderate) {
   Gen gen(in.u64());
   const int64_t n = in.range(1, 4), b = in.range(0, 2), s_q = in.range(1, 2), h_q = in.range(1, 4);
   const int64_t d_v = in.pick<int64_t>({512, 1, 7, 64});
-  Buf parts = make_buf(in, arena, in.coin() ? DType::kFloat32 : DType::kBFloat16,
-                       {n, b, s_q, h_q, d_v});
+  Buf parts =
+      make_buf(in, arena, in.coin() ? DType::kFloat32 : DType::kBFloat16, {n, b, s_q, h_q, d_v});
   fill_values(parts, in, gen, moderate);
   Buf lse_parts = make_buf(in, arena, DType::kFloat32, {n, b, s_q, h_q});
   lse_parts.each([&](int64_t off) {
     float v;
     switch (in.u8() % 8) {
-      case 0: v = INFINITY; break;
-      case 1: v = -INFINITY; break;
-      case 2: v = moderate ? 1.f : NAN; break;
-      case 3: v = moderate ? -3.f : in.pick<float>({1e30f, -1e30f, 88.f, -104.f}); break;
-      default: v = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-28f;
+      case 0:
+        v = INFINITY;
+        break;
+      case 1:
+        v = -INFINITY;
+        break;
+      case 2:
+        v = moderate ? 1.f : NAN;
+        break;
+      case 3:
+        v = moderate ? -3.f : in.pick<float>({1e30f, -1e30f, 88.f, -104.f});
+        break;
+      default:
+        v = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-28f;
     }
     lse_parts.set<float>(off, v);
   });
@@ -618,8 +656,12 @@ inline void merge(Input& in, Arena& arena, Findings& f, bool moderate) {
     }
   };
   std::vector<std::vector<uint8_t>> result;
-  twice(f, "merge_attention", {&out, &lse},
-        [&] { return merge_attention(a, Options{Backend::kCPU, nullptr}); }, rescramble, &result);
+  twice(
+      f, "merge_attention", {&out, &lse},
+      [&] {
+        return merge_attention(a, Options{Backend::kCPU, nullptr});
+      },
+      rescramble, &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
@@ -649,9 +691,15 @@ inline std::string fuzz_decode(const uint8_t* data, size_t size) {
   const bool moderate = (mode & 4) != 0;
   switch (mode % 4) {
     case 0:
-    case 1: sparse(in, arena, f, moderate); break;
-    case 2: dense(in, arena, f, moderate); break;
-    case 3: merge(in, arena, f, moderate); break;
+    case 1:
+      sparse(in, arena, f, moderate);
+      break;
+    case 2:
+      dense(in, arena, f, moderate);
+      break;
+    case 3:
+      merge(in, arena, f, moderate);
+      break;
   }
   return f.first;
 }

@@ -100,7 +100,8 @@ inline uint16_t fp16_encode(float f) {
   const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
   const double a = std::fabs(static_cast<double>(f));
   if (a >= 65520.0) return sign | 0x7c00;
-  if (a < std::ldexp(1.0, -14)) {  // subnormal grid of 2^-24 (1024 rounds up to the smallest normal)
+  if (a <
+      std::ldexp(1.0, -14)) {  // subnormal grid of 2^-24 (1024 rounds up to the smallest normal)
     return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(std::ldexp(a, 24))));
   }
   int e;

@@ -37,11 +37,16 @@ inline float interesting_float(Input& in) {
       if (f == 0.f && nudge < 0) u = 0;
       return sign * model::as_float(u);
     }
-    case 1: return sign * static_cast<float>(448.0 + in.range(-64, 64) * 0.5);
-    case 2: return sign * std::ldexp(static_cast<float>(in.range(0, 64)), -15);
-    case 3: return sign * 448.0f * 1e-4f * (1.0f + static_cast<float>(in.range(-8, 8)) * 1e-7f);
-    case 4: return sign * std::ldexp(1.0f, static_cast<int>(in.range(-149, 127)));
-    default: return in.f32();
+    case 1:
+      return sign * static_cast<float>(448.0 + in.range(-64, 64) * 0.5);
+    case 2:
+      return sign * std::ldexp(static_cast<float>(in.range(0, 64)), -15);
+    case 3:
+      return sign * 448.0f * 1e-4f * (1.0f + static_cast<float>(in.range(-8, 8)) * 1e-7f);
+    case 4:
+      return sign * std::ldexp(1.0f, static_cast<int>(in.range(-149, 127)));
+    default:
+      return in.f32();
   }
 }
 

@@ -153,11 +153,14 @@ inline int64_t span_bytes(const TensorView& t, int64_t elem) {
 inline size_t elem_size(DType d) {
   switch (d) {
     case DType::kUInt8:
-    case DType::kFloat8E4M3: return 1;
+    case DType::kFloat8E4M3:
+      return 1;
     case DType::kBFloat16:
-    case DType::kFloat16: return 2;
+    case DType::kFloat16:
+      return 2;
     case DType::kInt32:
-    case DType::kFloat32: return 4;
+    case DType::kFloat32:
+      return 4;
   }
   return 0;
 }

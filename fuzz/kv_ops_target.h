@@ -73,21 +73,31 @@ inline std::vector<uint8_t> token_image(const Cache& c, int64_t slot) {
 // Adversarial int32 values for a table of `bound` valid entries.
 inline int32_t adversarial_index(Input& in, int64_t bound) {
   switch (in.u8() % 10) {
-    case 0: return -1;
-    case 1: return static_cast<int32_t>(bound);
-    case 2: return static_cast<int32_t>(bound - 1);
-    case 3: return in.pick<int32_t>({INT32_MIN, INT32_MAX, -2, INT32_MIN + 1});
-    case 4: return static_cast<int32_t>(in.u32());
-    default: return bound > 0 ? static_cast<int32_t>(in.u32() % bound) : -1;
+    case 0:
+      return -1;
+    case 1:
+      return static_cast<int32_t>(bound);
+    case 2:
+      return static_cast<int32_t>(bound - 1);
+    case 3:
+      return in.pick<int32_t>({INT32_MIN, INT32_MAX, -2, INT32_MIN + 1});
+    case 4:
+      return static_cast<int32_t>(in.u32());
+    default:
+      return bound > 0 ? static_cast<int32_t>(in.u32() % bound) : -1;
   }
 }
 
 inline float adversarial_value(Input& in, Gen& gen, int exponent) {
   switch (in.u8() % 16) {
-    case 0: return NAN;
-    case 1: return in.coin() ? INFINITY : -INFINITY;
-    case 2: return in.f32();
-    case 3: return 0.f;
+    case 0:
+      return NAN;
+    case 1:
+      return in.coin() ? INFINITY : -INFINITY;
+    case 2:
+      return in.f32();
+    case 3:
+      return 0.f;
     default: {
       const float u = static_cast<float>(static_cast<int32_t>(gen.u32())) * 0x1p-31f;
       return std::ldexp(u, exponent);
@@ -242,7 +252,8 @@ inline double stored_value(const KVCache& kv, const std::vector<uint8_t>& token,
         return static_cast<float>(model::e4m3_value(token[j]) * scale);
       }
       return bf16_at(528 + 2 * (j - 512));
-    case KVFormat::kBF16: return bf16_at(2 * j);
+    case KVFormat::kBF16:
+      return bf16_at(2 * j);
     case KVFormat::kFP16: {
       uint16_t h;
       std::memcpy(&h, &token[2 * j], 2);
@@ -361,8 +372,8 @@ inline void run_repack(Input& in, Arena& arena, Cache& src, Findings& f) {
       const int64_t sp = sbt[i * max_src + t / src.kv.page_size];
       const int64_t dp = dbt[i * max_dst + t / dst.kv.page_size];
       if (sp < 0 || sp >= src.kv.num_pages || dp < 0 || dp >= dst.kv.num_pages) continue;
-      sources[dp * dst.kv.page_size + t % dst.kv.page_size].push_back(
-          sp * src.kv.page_size + t % src.kv.page_size);
+      sources[dp * dst.kv.page_size + t % dst.kv.page_size].push_back(sp * src.kv.page_size +
+                                                                      t % src.kv.page_size);
     }
   }
   std::vector<uint8_t> written(dst.size, 0);

@@ -72,23 +72,32 @@ class Builder {
 
   Device device(Device main) {
     switch (in_.u8() % 40) {
-      case 0: return Device{DeviceType::kCUDA, 0};
-      case 1: return Device{DeviceType::kCPU, 1};
-      case 2: return Device{static_cast<DeviceType>(in_.range(2, 255)), 0};
-      case 3: return Device{DeviceType::kCUDA, static_cast<int>(in_.u32())};
-      default: return main;
+      case 0:
+        return Device{DeviceType::kCUDA, 0};
+      case 1:
+        return Device{DeviceType::kCPU, 1};
+      case 2:
+        return Device{static_cast<DeviceType>(in_.range(2, 255)), 0};
+      case 3:
+        return Device{DeviceType::kCUDA, static_cast<int>(in_.u32())};
+      default:
+        return main;
     }
   }
 
   int64_t extent(int64_t want) {
     switch (in_.u8() % 32) {
-      case 28: return in_.range(0, 8);
-      case 29: return want + (in_.coin() ? 1 : -1);
+      case 28:
+        return in_.range(0, 8);
+      case 29:
+        return want + (in_.coin() ? 1 : -1);
       case 30:
         return in_.pick<int64_t>({kMaxExtent, kMaxExtent + 1, int64_t{1} << 32, int64_t{1} << 40,
                                   INT64_MAX, -1, INT64_MIN, int64_t{1} << 62});
-      case 31: return 0;
-      default: return want;
+      case 31:
+        return 0;
+      default:
+        return want;
     }
   }
 
@@ -100,16 +109,22 @@ class Builder {
     const int want_rank = static_cast<int>(want.size());
     t.ndim = in_.u8() % 40 == 0 ? static_cast<int>(in_.range(-1, 64)) : want_rank;
     switch (in_.u8() % 40) {
-      case 0: t.dtype = kAllDTypes[in_.u8() % 6]; break;
-      case 1: t.dtype = static_cast<DType>(in_.range(6, 255)); break;
-      default: t.dtype = dtype;
+      case 0:
+        t.dtype = kAllDTypes[in_.u8() % 6];
+        break;
+      case 1:
+        t.dtype = static_cast<DType>(in_.range(6, 255));
+        break;
+      default:
+        t.dtype = dtype;
     }
     t.device = device(dev);
     const int dims = std::min(std::max(t.ndim, 0), kMaxDims);
     for (int d = 0; d < dims; ++d) t.shape[d] = d < want_rank ? extent(want[d]) : in_.range(0, 3);
     strides(t, dims);
     for (int d = 0; d < dims; ++d) {
-      if (t.shape[d] > 4096 || t.shape[d] < 0 || t.strides[d] > (1 << 24) || t.strides[d] < -(1 << 24)) {
+      if (t.shape[d] > 4096 || t.shape[d] < 0 || t.strides[d] > (1 << 24) ||
+          t.strides[d] < -(1 << 24)) {
         exact_ = false;
       }
     }
@@ -124,24 +139,37 @@ class Builder {
     c.format = in_.u8() % 40 == 0 ? static_cast<KVFormat>(in_.range(0, 255)) : format;
     c.num_heads = in_.u8() % 40 == 0 ? in_.pick<int64_t>({0, -1, 2, 128, 129, INT64_MAX}) : heads;
     switch (in_.u8() % 24) {
-      case 0: c.page_size = in_.pick<int64_t>({0, -1, kMaxExtent, kMaxExtent + 1, int64_t{1} << 40});
-              break;
-      default: c.page_size = in_.pick<int64_t>({1, 2, 3, 7, 53, 64, 69, 16});
+      case 0:
+        c.page_size = in_.pick<int64_t>({0, -1, kMaxExtent, kMaxExtent + 1, int64_t{1} << 40});
+        break;
+      default:
+        c.page_size = in_.pick<int64_t>({1, 2, 3, 7, 53, 64, 69, 16});
     }
     switch (in_.u8() % 24) {
-      case 0: c.num_pages = in_.pick<int64_t>({-1, kMaxExtent, kMaxExtent + 1, int64_t{1} << 40});
-              break;
-      default: c.num_pages = in_.range(0, 4);
+      case 0:
+        c.num_pages = in_.pick<int64_t>({-1, kMaxExtent, kMaxExtent + 1, int64_t{1} << 40});
+        break;
+      default:
+        c.num_pages = in_.range(0, 4);
     }
     const int64_t bpt = model_bytes_per_token(c.format, c.num_heads);
     const int64_t min_stride = sat_mul(c.page_size, bpt);
     const int64_t rounded = min_stride >= INT64_MAX - 16 ? INT64_MAX : (min_stride + 15) / 16 * 16;
     switch (in_.u8() % 24) {
-      case 0: c.page_stride = min_stride; break;
-      case 1: c.page_stride = sat_add(rounded, -16); break;
-      case 2: c.page_stride = sat_add(rounded, 8); break;
-      case 3: c.page_stride = in_.pick<int64_t>({0, -16, int64_t{1} << 40, INT64_MAX / 2}); break;
-      default: c.page_stride = sat_add(rounded, 16 * in_.range(0, 2));
+      case 0:
+        c.page_stride = min_stride;
+        break;
+      case 1:
+        c.page_stride = sat_add(rounded, -16);
+        break;
+      case 2:
+        c.page_stride = sat_add(rounded, 8);
+        break;
+      case 3:
+        c.page_stride = in_.pick<int64_t>({0, -16, int64_t{1} << 40, INT64_MAX / 2});
+        break;
+      default:
+        c.page_stride = sat_add(rounded, 16 * in_.range(0, 2));
     }
     if (c.num_heads > 4096 || c.num_heads < -4096 || c.page_size > 4096 || c.page_size < -4096 ||
         c.num_pages > 4096 || c.num_pages < -4096 || c.page_stride > (1 << 24) ||
@@ -151,9 +179,9 @@ class Builder {
     // Bytes a valid descriptor may address: the padding after the last page is not included.
     int64_t bytes = -1;
     if (c.num_pages >= 0 && c.page_size > 0 && bpt > 0 && c.page_stride >= 0) {
-      bytes = c.num_pages == 0 ? 0
-                               : sat_add(sat_mul(c.num_pages - 1, c.page_stride),
-                                         sat_mul(c.page_size, bpt));
+      bytes = c.num_pages == 0
+                  ? 0
+                  : sat_add(sat_mul(c.num_pages - 1, c.page_stride), sat_mul(c.page_size, bpt));
     }
     const size_t misalign = pointer_misalign();
     if (bytes < 0 || static_cast<uint64_t>(bytes) > kMaxCacheBytes) {
@@ -183,10 +211,13 @@ class Builder {
 
   static int64_t model_bytes_per_token(KVFormat f, int64_t heads) {
     switch (f) {
-      case KVFormat::kModel1: return 584;
-      case KVFormat::kV32: return 656;
+      case KVFormat::kModel1:
+        return 584;
+      case KVFormat::kV32:
+        return 656;
       case KVFormat::kBF16:
-      case KVFormat::kFP16: return sat_mul(heads, 1152);
+      case KVFormat::kFP16:
+        return sat_mul(heads, 1152);
     }
     return 584;  // unknown formats: the allocation just needs some size
   }
@@ -194,9 +225,12 @@ class Builder {
  private:
   size_t pointer_misalign() {
     switch (in_.u8() % 32) {
-      case 0: return in_.pick<size_t>({1, 2, 4, 8});
-      case 1: return in_.pick<size_t>({16, 32, 48});
-      default: return 0;
+      case 0:
+        return in_.pick<size_t>({1, 2, 4, 8});
+      case 1:
+        return in_.pick<size_t>({16, 32, 48});
+      default:
+        return 0;
     }
   }
 
@@ -258,7 +292,8 @@ class Builder {
       if (mode == 0) {
         v = -1;
       } else if (mode == 1 || (r & 3) != 0) {
-        v = fill.bound > 0 ? static_cast<int32_t>((r >> 2) % static_cast<uint64_t>(fill.bound)) : -1;
+        v = fill.bound > 0 ? static_cast<int32_t>((r >> 2) % static_cast<uint64_t>(fill.bound))
+                           : -1;
       } else {
         const int32_t odd[] = {-1, INT32_MIN, INT32_MAX, static_cast<int32_t>(fill.bound),
                                static_cast<int32_t>(r)};
@@ -330,7 +365,8 @@ class Model {
     if (!empty) {
       int64_t last_offset = 0;
       for (int d = 0; d < t.ndim; ++d) {
-        if (t.shape[d] > 1) last_offset = sat_add(last_offset, sat_mul(t.shape[d] - 1, t.strides[d]));
+        if (t.shape[d] > 1)
+          last_offset = sat_add(last_offset, sat_mul(t.shape[d] - 1, t.strides[d]));
       }
       require(sat_mul(last_offset, elem) < INT64_MAX, n + ": addressed range overflows");
     }
@@ -376,10 +412,14 @@ class Model {
       const char* env = std::getenv("SPARSE_MLA_BACKEND");
       if (env && *env) {
         const std::string e(env);
-        if (e == "cpu") requested = Backend::kCPU;
-        else if (e == "cuda") requested = Backend::kCUDA;
-        else if (e == "sm90") requested = Backend::kSM90;
-        else require(e == "auto", "SPARSE_MLA_BACKEND");
+        if (e == "cpu")
+          requested = Backend::kCPU;
+        else if (e == "cuda")
+          requested = Backend::kCUDA;
+        else if (e == "sm90")
+          requested = Backend::kSM90;
+        else
+          require(e == "auto", "SPARSE_MLA_BACKEND");
       }
     }
     require(dev.type == DeviceType::kCPU, "device is not the host");
@@ -434,25 +474,45 @@ struct Call {
 inline Options options(Builder& b) {
   Options o;
   switch (b.in().u8() % 32) {
-    case 0: o.backend = Backend::kCUDA; break;
-    case 1: o.backend = Backend::kSM90; break;
-    case 2: o.backend = static_cast<Backend>(b.in().range(4, 255)); break;
-    case 3: case 4: case 5: case 6: o.backend = Backend::kCPU; break;
-    default: o.backend = Backend::kAuto;
+    case 0:
+      o.backend = Backend::kCUDA;
+      break;
+    case 1:
+      o.backend = Backend::kSM90;
+      break;
+    case 2:
+      o.backend = static_cast<Backend>(b.in().range(4, 255));
+      break;
+    case 3:
+    case 4:
+    case 5:
+    case 6:
+      o.backend = Backend::kCPU;
+      break;
+    default:
+      o.backend = Backend::kAuto;
   }
   return o;
 }
 
 inline std::optional<float> scale_arg(Input& in) {
   switch (in.u8() % 16) {
-    case 0: return std::nullopt;
-    case 1: return 0.f;
-    case 2: return -0.0625f;
-    case 3: return NAN;
-    case 4: return INFINITY;
-    case 5: return 1e-40f;
-    case 6: return in.f32();
-    default: return 0.0441941738f;
+    case 0:
+      return std::nullopt;
+    case 1:
+      return 0.f;
+    case 2:
+      return -0.0625f;
+    case 3:
+      return NAN;
+    case 4:
+      return INFINITY;
+    case 5:
+      return 1e-40f;
+    case 6:
+      return in.f32();
+    default:
+      return 0.0441941738f;
   }
 }
 
@@ -486,8 +546,8 @@ void decode_calls(Builder& b, Findings& f, const char* op, const Args& a, const 
   const Workspace ws{};
   const Status s_plan = plan(a, ws, o);
   if (s_plan.code() != s_sup.code() || s_plan.message() != s_sup.message()) {
-    return f.fail(std::string(op) + ": plan says '" + s_plan.to_string() + "' but supported says '" +
-                  s_sup.to_string() + "'");
+    return f.fail(std::string(op) + ": plan says '" + s_plan.to_string() +
+                  "' but supported says '" + s_sup.to_string() + "'");
   }
   const Status s_run = run(a, ws, o);
   if (s_run.code() != s_sup.code() || s_run.message() != s_sup.message()) {
@@ -508,9 +568,9 @@ inline void sparse(Builder& b, Findings& f) {
   SparseDecodeArgs a;
   a.kv = b.cache(format, 1, dev);
   a.q = b.tensor("q", false, DType::kBFloat16, {bs, s_q, h_q, model_d_qk(format)}, dev);
-  a.indices = b.tensor("indices", false, DType::kInt32, {bs, s_q, topk}, dev,
-                       {slots_of(a.kv)});
-  if (in.coin()) a.topk_length = b.tensor("topk_length", false, DType::kInt32, {bs}, dev, {topk + 2});
+  a.indices = b.tensor("indices", false, DType::kInt32, {bs, s_q, topk}, dev, {slots_of(a.kv)});
+  if (in.coin())
+    a.topk_length = b.tensor("topk_length", false, DType::kInt32, {bs}, dev, {topk + 2});
   const int extra_mode = in.u8() % 8;
   if (extra_mode < 3) {
     a.extra_kv = b.cache(format, 1, dev);
@@ -536,13 +596,15 @@ inline void sparse(Builder& b, Findings& f) {
          4096);
 
   Model m(o);
-  m.tensor(a.q, {"q", {DType::kBFloat16}, {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent}, true, 16});
+  m.tensor(a.q,
+           {"q", {DType::kBFloat16}, {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent}, true, 16});
   if (m.ok()) {
     const Device qd = a.q.device;
     const int64_t B = a.q.shape[0], S = a.q.shape[1], H = a.q.shape[2];
     m.require(S >= 1 && H >= 1, "q: s_q and h_q >= 1");
     m.cache(a.kv, "k_cache");
-    m.require(a.kv.format == KVFormat::kModel1 || a.kv.format == KVFormat::kV32, "k_cache: not FP8");
+    m.require(a.kv.format == KVFormat::kModel1 || a.kv.format == KVFormat::kV32,
+              "k_cache: not FP8");
     m.same_device(a.kv.device, qd, "k_cache");
     if (m.ok()) m.require(a.q.shape[3] == model_d_qk(a.kv.format), "q: d_qk");
     m.tensor(a.indices, {"indices", {DType::kInt32}, {B, S, kAnyExtent}});
@@ -550,7 +612,8 @@ inline void sparse(Builder& b, Findings& f) {
     if (m.ok()) m.require(a.indices.shape[2] >= 1, "indices: topk");
     m.opt_tensor(a.topk_length, {"topk_length", {DType::kInt32}, {B}});
     if (a.topk_length) m.same_device(a.topk_length->device, qd, "topk_length");
-    m.require(a.extra_kv || (!a.extra_indices && !a.extra_topk_length), "extra_* without extra cache");
+    m.require(a.extra_kv || (!a.extra_indices && !a.extra_topk_length),
+              "extra_* without extra cache");
     if (a.extra_kv) {
       m.cache(*a.extra_kv, "extra_k_cache");
       m.require(a.extra_kv->format == a.kv.format, "extra_k_cache: format");
@@ -593,8 +656,9 @@ inline void dense(Builder& b, Findings& f) {
   a.q = b.tensor("q", false, qt, {bs, s_q, h_q, model_d_qk(format)}, dev);
   a.block_table = b.tensor("block_table", false, DType::kInt32, {bs, max_pages}, dev,
                            {a.kv.num_pages > 0 ? a.kv.num_pages : 0});
-  a.cache_seqlens = b.tensor("cache_seqlens", false, DType::kInt32, {bs}, dev,
-                             {sat_add(sat_mul(max_pages, std::max<int64_t>(a.kv.page_size, 0)), 2)});
+  a.cache_seqlens =
+      b.tensor("cache_seqlens", false, DType::kInt32, {bs}, dev,
+               {sat_add(sat_mul(max_pages, std::max<int64_t>(a.kv.page_size, 0)), 2)});
   a.causal = in.coin();
   a.softmax_scale = scale_arg(in);
   a.out = b.tensor("out", true, qt, {bs, s_q, h_q, 512}, dev);
@@ -605,8 +669,11 @@ inline void dense(Builder& b, Findings& f) {
          8192);
 
   Model m(o);
-  m.tensor(a.q, {"q", {DType::kBFloat16, DType::kFloat16},
-                 {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent}, true, 16});
+  m.tensor(a.q, {"q",
+                 {DType::kBFloat16, DType::kFloat16},
+                 {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent},
+                 true,
+                 16});
   if (m.ok()) {
     const Device qd = a.q.device;
     const int64_t B = a.q.shape[0], S = a.q.shape[1], H = a.q.shape[2];
@@ -641,8 +708,8 @@ inline void dense(Builder& b, Findings& f) {
 
 // Ops without a validation-only query run whenever the request is small and real, or when the
 // model rejects it (then the library must reject it too, before touching anything).
-inline void run_checked(Builder& b, Findings& f, const char* op, const Model& m,
-                        bool model_applies, const std::function<Status()>& call_op) {
+inline void run_checked(Builder& b, Findings& f, const char* op, const Model& m, bool model_applies,
+                        const std::function<Status()>& call_op) {
   if (!b.executable() && (m.ok() || !model_applies)) return;
   snapshot(b);
   const Status s = call_op();
@@ -672,8 +739,10 @@ inline void merge(Builder& b, Findings& f) {
   }
 
   Model m(o);
-  m.tensor(a.out_parts, {"out_parts", {DType::kFloat32, DType::kBFloat16},
-                         {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent}, true});
+  m.tensor(a.out_parts, {"out_parts",
+                         {DType::kFloat32, DType::kBFloat16},
+                         {kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent, kAnyExtent},
+                         true});
   if (m.ok()) {
     const Device od = a.out_parts.device;
     const int64_t N = a.out_parts.shape[0], B = a.out_parts.shape[1], S = a.out_parts.shape[2],
@@ -692,8 +761,7 @@ inline void merge(Builder& b, Findings& f) {
   }
   const bool model_applies = !kCudaBuild || !any_device_not_host({a.out_parts.device});
   if (!model_applies) return;
-  run_checked(b, f, "merge_attention", m, model_applies,
-              [&] { return merge_attention(a, o); });
+  run_checked(b, f, "merge_attention", m, model_applies, [&] { return merge_attention(a, o); });
 }
 
 inline void quantize(Builder& b, Findings& f) {
@@ -705,8 +773,7 @@ inline void quantize(Builder& b, Findings& f) {
   a.kv = b.cache(format, 1, dev);
   a.src = b.tensor("src", false, in.coin() ? DType::kBFloat16 : DType::kFloat32,
                    {n, model_d_qk(format)}, dev);
-  a.slots = b.tensor("slots", false, DType::kInt32, {n}, dev,
-                     {slots_of(a.kv)});
+  a.slots = b.tensor("slots", false, DType::kInt32, {n}, dev, {slots_of(a.kv)});
   const Options o = options(b);
   b.work(a.src.ndim >= 1 ? a.src.shape[0] : 0, 256);
   // quantize_store writes the cache: it must be an output region.
@@ -718,8 +785,9 @@ inline void quantize(Builder& b, Findings& f) {
   m.cache(a.kv, "kv");
   m.require(a.kv.format == KVFormat::kModel1 || a.kv.format == KVFormat::kV32, "kv: not FP8");
   if (m.ok()) {
-    m.tensor(a.src, {"src", {DType::kBFloat16, DType::kFloat32}, {kAnyExtent, model_d_qk(a.kv.format)},
-                     true});
+    m.tensor(
+        a.src,
+        {"src", {DType::kBFloat16, DType::kFloat32}, {kAnyExtent, model_d_qk(a.kv.format)}, true});
   }
   if (m.ok()) {
     m.tensor(a.slots, {"slots", {DType::kInt32}, {a.src.shape[0]}});
@@ -737,12 +805,12 @@ inline void dequant(Builder& b, Findings& f) {
   const Device dev{};
   const KVFormat format =
       in.pick<KVFormat>({KVFormat::kModel1, KVFormat::kV32, KVFormat::kBF16, KVFormat::kFP16});
-  const int64_t heads = (format == KVFormat::kBF16 || format == KVFormat::kFP16) ? in.range(1, 2) : 1;
+  const int64_t heads =
+      (format == KVFormat::kBF16 || format == KVFormat::kFP16) ? in.range(1, 2) : 1;
   const int64_t n = in.range(0, 9);
   DequantizeArgs a;
   a.kv = b.cache(format, heads, dev);
-  a.slots = b.tensor("slots", false, DType::kInt32, {n}, dev,
-                     {slots_of(a.kv)});
+  a.slots = b.tensor("slots", false, DType::kInt32, {n}, dev, {slots_of(a.kv)});
   a.out = b.tensor("out", true, in.coin() ? DType::kBFloat16 : DType::kFloat32,
                    {n, model_d_qk(format)}, dev);
   const Options o = options(b);
@@ -752,8 +820,10 @@ inline void dequant(Builder& b, Findings& f) {
   m.cache(a.kv, "kv");
   m.tensor(a.slots, {"slots", {DType::kInt32}, {kAnyExtent}});
   if (m.ok()) {
-    m.tensor(a.out, {"out", {DType::kBFloat16, DType::kFloat32},
-                     {a.slots.shape[0], model_d_qk(a.kv.format)}, true});
+    m.tensor(a.out, {"out",
+                     {DType::kBFloat16, DType::kFloat32},
+                     {a.slots.shape[0], model_d_qk(a.kv.format)},
+                     true});
     m.same_device(a.slots.device, a.kv.device, "slots");
     m.same_device(a.out.device, a.kv.device, "out");
     m.backend(a.kv.device);
@@ -768,7 +838,8 @@ inline void repack(Builder& b, Findings& f) {
   const Device dev{};
   const KVFormat format =
       in.pick<KVFormat>({KVFormat::kModel1, KVFormat::kV32, KVFormat::kBF16, KVFormat::kFP16});
-  const int64_t heads = (format == KVFormat::kBF16 || format == KVFormat::kFP16) ? in.range(1, 2) : 1;
+  const int64_t heads =
+      (format == KVFormat::kBF16 || format == KVFormat::kFP16) ? in.range(1, 2) : 1;
   const int64_t bs = in.range(0, 3), max_src = in.range(0, 3), max_dst = in.range(0, 3);
   RepackArgs a;
   a.src = b.cache(format, heads, dev);
@@ -868,13 +939,27 @@ inline std::string fuzz_validation(const uint8_t* data, size_t size) {
   Findings f;
   Builder b(in, arena);
   switch (in.u8() % 7) {
-    case 0: sparse(b, f); break;
-    case 1: dense(b, f); break;
-    case 2: merge(b, f); break;
-    case 3: quantize(b, f); break;
-    case 4: dequant(b, f); break;
-    case 5: repack(b, f); break;
-    case 6: cache_from_tensor(b, f, arena); break;
+    case 0:
+      sparse(b, f);
+      break;
+    case 1:
+      dense(b, f);
+      break;
+    case 2:
+      merge(b, f);
+      break;
+    case 3:
+      quantize(b, f);
+      break;
+    case 4:
+      dequant(b, f);
+      break;
+    case 5:
+      repack(b, f);
+      break;
+    case 6:
+      cache_from_tensor(b, f, arena);
+      break;
   }
   return f.first;
 }
