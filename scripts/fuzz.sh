@@ -10,8 +10,7 @@
 #     --runs N           run each target for N executions instead
 #     --update-corpus    merge what the run found into fuzz/corpus/<target>/ (minimized)
 #     TARGET             validation, format, kv_ops, decode (default: all)
-# Environment: BUILD_DIR (default build-fuzz), NICE (default 10), SPARSE_MLA_FUZZ_KNOWN=1 also
-# generates inputs of the open findings (docs/robustness.md).
+# Environment: BUILD_DIR (default build-fuzz), NICE (default 10). See docs/robustness.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --seconds) seconds=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --update-corpus) update=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
   esac
