@@ -85,7 +85,8 @@ for t in "${targets[@]}"; do
   fi
   if [[ $update -eq 1 && $rc -eq 0 ]]; then
     mkdir -p "fuzz/corpus/$t.new"
-    nice -n "$nice_level" "$build_dir/fuzz/fuzz_$t" -merge=1 "fuzz/corpus/$t.new" \
+    # Edge coverage only (no hit counters): keeps the committed seed set small.
+    nice -n "$nice_level" "$build_dir/fuzz/fuzz_$t" -merge=1 -use_counters=0 "fuzz/corpus/$t.new" \
       "fuzz/corpus/$t" "$corpus" >>"$log" 2>&1
     rm -rf "fuzz/corpus/$t" && mv "fuzz/corpus/$t.new" "fuzz/corpus/$t"
   fi
