@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds everything and runs the whole test suite: C++ (ctest; GPU tests skip without a GPU) and
-# the Python package (built into a virtual environment, then pytest).
+# Builds everything and runs the whole test suite: C++ (ctest; GPU tests skip without a GPU), the
+# Python package (built into a virtual environment, then pytest) and a short run of every fuzzer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build}
@@ -23,4 +23,7 @@ if [ $rc -eq 5 ]; then
   echo "test.sh: pytest collected no tests" >&2
   exit 1
 fi
-exit $rc
+[ $rc -eq 0 ] || exit $rc
+
+# Each libFuzzer target briefly (ASan + UBSan); long runs: docs/robustness.md.
+scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-20}"
