@@ -98,8 +98,8 @@ SPARSE_MLA_HD uint8_t float_to_e4m3(float f) {
 }
 
 // ---- scale recipe: s = max(amax / 448, 1e-4); scale = 2^ceil(log2 s) ----
-// Returns log2(scale). NaN/inf amax gives the largest exponent (the row is then garbage, but
-// nothing overflows).
+// Returns log2(scale). A NaN amax gives the smallest exponent (-13), an infinite one the largest
+// (127): the row is then garbage, but nothing overflows.
 SPARSE_MLA_HD int scale_exponent(float amax) {
   float s = amax / 448.0f;
   if (!(s >= 1e-4f)) s = 1e-4f;  // also catches NaN
