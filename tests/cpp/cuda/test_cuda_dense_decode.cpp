@@ -198,5 +198,132 @@ TEST(CudaDenseDecodeDeterminism, BitwiseAcrossRuns) {
   EXPECT_TRUE(outs[0] == outs[2]);
 }
 
+// ---- Combine of heavily split pairs ----
+
+// Forces a layout of the combine kernel for the scope (test hook of combine.cu); nullptr keeps
+// the shape-based choice.
+class ScopedCombineLayout {
+ public:
+  explicit ScopedCombineLayout(const char* layout) {
+    if (layout != nullptr) setenv("SPARSE_MLA_COMBINE_LAYOUT", layout, 1);
+  }
+  ~ScopedCombineLayout() { unsetenv("SPARSE_MLA_COMBINE_LAYOUT"); }
+  ScopedCombineLayout(const ScopedCombineLayout&) = delete;
+  ScopedCombineLayout& operator=(const ScopedCombineLayout&) = delete;
+};
+
+// Default choice first, then every layout (warps per row x dims per CTA).
+const char* const kCombineLayouts[] = {nullptr,  "w8d128", "w8d256", "w8d512",
+                                       "w4d512", "w2d512", "w1d512"};
+
+std::vector<uint8_t> output_bytes(const ref::HostTensor& out, const ref::HostTensor& lse) {
+  std::vector<uint8_t> bytes = decode_test::host_bytes(out);
+  const std::vector<uint8_t> l = decode_test::host_bytes(lse);
+  bytes.insert(bytes.end(), l.begin(), l.end());
+  return bytes;
+}
+
+// The imbalanced batch of the performance targets (4641 / 45118 / 1730 / 1696 tokens, h_q 16,
+// causal): the long request is split over a hundred parts or more and merged by the combine
+// kernel. Every combine layout against the reference; the default one twice, bitwise equal. The
+// "holes" variant adds block-table runs outside the cache: request 2 loses every page (all its
+// parts are empty: out 0, lse +inf) and request 1 a run of 50 pages (some of its parts are empty,
+// the rest still merge). Dense decode has no sink; the sparse test below merges with one.
+TEST(CudaDenseDecodeCombine, ImbalancedBatchEveryLayoutDeterministic) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t s_q : {1, 4}) {
+    for (bool holes : {false, true}) {
+      ref::DenseCaseConfig cfg =
+          base(KVFormat::kBF16, 4, s_q, 16, 1, 64, {4641, 45118, 1730, 1696});
+      cfg.causal = true;
+      cfg.seed = test_seed();
+      SCOPED_TRACE("s_q " + std::to_string(s_q) + (holes ? " holes" : "") +
+                   " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+      ref::DenseCase c = ref::make_dense_case(cfg);
+      if (holes) {
+        const int64_t num_pages = c.kv.config().num_pages;
+        for (int64_t pg = 0; pg < 28; ++pg) c.block_table.set({2, pg}, -1);
+        for (int64_t pg = 100; pg < 150; ++pg) {
+          c.block_table.set({1, pg}, static_cast<double>(num_pages + pg));
+        }
+        ref::Rng rng(cfg.seed + 1);
+        c.refresh_cache(rng);
+      }
+      const ref::RefOutput r = ref::dense_decode_reference(c.args());
+      Stream stream;
+      DeviceDense d(c);
+      std::vector<uint8_t> first;
+      for (const char* layout : kCombineLayouts) {
+        SCOPED_TRACE(layout != nullptr ? layout : "default layout");
+        ScopedCombineLayout forced(layout);
+        d.poison_outputs();
+        ASSERT_TRUE(decode_test::run_dense(d.args, stream));
+        c.poison_outputs();
+        d.download(c);
+        const ref::CompareResult res =
+            ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::dense());
+        EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
+        if (holes) {
+          for (int64_t s = 0; s < s_q; ++s) {
+            for (int64_t h = 0; h < 16; ++h) {
+              EXPECT_EQ(c.lse.get({2, h, s}), kInf);
+              for (int64_t e = 0; e < kDV; e += 37) EXPECT_EQ(c.out.get({2, s, h, e}), 0.0);
+            }
+          }
+        }
+        if (layout == nullptr) {
+          first = output_bytes(c.out, c.lse);
+          d.poison_outputs();
+          ASSERT_TRUE(decode_test::run_dense(d.args, stream));
+          d.download(c);
+          EXPECT_TRUE(output_bytes(c.out, c.lse) == first) << "second run differs";
+        }
+      }
+    }
+  }
+}
+
+// A sparse batch whose long lists are split over many parts, with sinks (+inf: out 0; -inf: no
+// effect; finite), merged by every combine layout.
+TEST(CudaDenseDecodeCombine, SparseSinkEveryLayout) {
+  SKIP_WITHOUT_GPU();
+  ref::SparseCaseConfig cfg;
+  cfg.format = KVFormat::kModel1;
+  cfg.b = 3;
+  cfg.s_q = 2;
+  cfg.h_q = 16;
+  cfg.topk = 3100;
+  cfg.page_size = 64;
+  cfg.use_topk_length = true;
+  cfg.use_sink = true;
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  c.topk_length = ref::make_int_tensor({3100, 2500, 40});
+  c.attn_sink.set({0}, kInf);
+  c.attn_sink.set({1}, -kInf);
+  ref::Rng rng(cfg.seed + 1);
+  c.refresh_cache(rng);
+  const ref::RefOutput r = ref::sparse_decode_reference(c.args());
+  Stream stream;
+  decode_test::DeviceSparse d(c);
+  for (const char* layout : kCombineLayouts) {
+    SCOPED_TRACE(layout != nullptr ? layout : "default layout");
+    ScopedCombineLayout forced(layout);
+    d.poison_outputs();
+    ASSERT_TRUE(decode_test::run_sparse(d.args, stream));
+    c.poison_outputs();
+    d.download(c);
+    const ref::CompareResult res =
+        ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+    EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t s = 0; s < 2; ++s) {
+        for (int64_t e = 0; e < kDV; e += 41) EXPECT_EQ(c.out.get({i, s, 0, e}), 0.0);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sparse_mla

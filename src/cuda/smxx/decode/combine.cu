@@ -1,9 +1,19 @@
 // Combine: merges the fp32 partials of every split pair in a fixed order (deterministic),
-// converts the base-2 lse to natural log and applies the sink once. One warp per query row; the
-// grid covers every pair because which pairs are split is only known on the device.
+// converts the base-2 lse to natural log and applies the sink once. The grid covers every pair
+// (which pairs are split is only known on the device); CTAs of unsplit pairs exit at once.
+//
+// A CTA owns kRows query rows x kDims output dims of one pair; each row gets kW warps that take
+// interleaved parts (warp g: parts g, g + kW, ...) and are summed in shared memory in warp order.
+// The host picks the layout from the shapes alone (pick_layout): with few pairs and many parts
+// (a long request split into hundreds of parts) wide layouts, up to 8 warps a row and 128 dims a
+// CTA, spread each split pair over many SMs with many loads in flight; with many pairs
+// (DeepSeek-V4 batches: a split pair has 2-4 parts) one warp walks all parts of a row, the
+// cheapest there.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "src/cuda/common/check.h"
 #include "src/cuda/common/ptx.cuh"
@@ -14,136 +24,248 @@ namespace sparse_mla::cuda::smxx::decode {
 namespace {
 
 constexpr int kCombineThreads = 256;
-constexpr int kRowsPerCta = kCombineThreads / 32;
-constexpr int kDimsPerLane = kDV / 32;  // 16
+constexpr int kCombineWarps = kCombineThreads / 32;
 
-template <bool kFP16>
-__global__ void __launch_bounds__(kCombineThreads)
+// kW: warps per query row; kVec: float4s per lane per part (a CTA covers 128 * kVec dims).
+struct CombineLayout {
+  int warps_per_row;
+  int vec;
+  const char* name;  // for the SPARSE_MLA_COMBINE_LAYOUT test hook
+};
+// Widest first. Fewer than 8 warps a row only with whole rows (kVec 4): those layouts serve
+// many short splits, where splitting dims would only multiply CTAs.
+constexpr CombineLayout kLayouts[] = {{8, 1, "w8d128"}, {8, 2, "w8d256"}, {8, 4, "w8d512"},
+                                      {4, 4, "w4d512"}, {2, 4, "w2d512"}, {1, 4, "w1d512"}};
+constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
+// Wide layouts only when the average pair is split into more parts than one warp loads at once
+// (num_parts >= kWideSplit * num_pairs), and only while the grid needs at most kMaxWideCtas CTAs
+// (about two waves at 2 CTAs per SM on H100/H200), so that short splits keep the one-warp path.
+constexpr int64_t kWideSplit = 3;
+constexpr int64_t kMaxWideCtas = 512;
+
+template <bool kFP16, int kW, int kVec>
+__global__ void __launch_bounds__(kCombineThreads, 2)
     combine_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr int kRows = kCombineWarps / kW;
+  constexpr int kDims = 128 * kVec;
+  constexpr int kU = 16 / kVec;  // parts per batch: 16 float4 loads in flight per lane
+  static_assert(32 % kU == 0, "a batch never straddles a block of 32 weights");
+
   const PairInfo info = p.pairs[blockIdx.x];
-  if (info.nsplit <= 1) return;
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.y * kRowsPerCta + (threadIdx.x >> 5);
-  if (row >= p.rows_per_pair) return;
   const int n = info.nsplit;
-  if (info.slot < 0 || info.slot + n > p.max_slots) return;
+  if (n <= 1) return;
+  if (info.slot < 0 || static_cast<int64_t>(info.slot) + n > p.max_slots) return;
 
-  const int pr = blockIdx.x;
-  int i, s, head;
-  if (p.dense) {
-    i = pr;
-    const int g = row / p.rows_per_group, lr = row % p.rows_per_group;
-    s = lr / p.hpk;
-    head = g * p.hpk + lr % p.hpk;
-  } else {
-    i = pr / p.s_q;
-    s = pr % p.s_q;
-    head = row;
-  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = warp % kW;
+  const int row = blockIdx.y * kRows + warp / kW;
+  const bool live = row < p.rows_per_pair;
+  // This warp's parts: g + kW * j for j < cnt.
+  const int cnt = live && n > g ? (n - g + kW - 1) / kW : 0;
   const int64_t stride = p.rows_per_pair;
-  const float* lse_k = p.part_lse + static_cast<int64_t>(info.slot) * stride + row;
-  const float* out_k = p.part_out + (static_cast<int64_t>(info.slot) * stride + row) * kDV;
+  const int64_t first = (static_cast<int64_t>(info.slot) + g) * stride + (live ? row : 0);
+  const float* lse_w = p.part_lse + first;
+  const int64_t lse_step = kW * stride;
+  const float4* out_w =
+      reinterpret_cast<const float4*>(p.part_out + first * kDV + blockIdx.z * kDims) + lane;
+  const int64_t out_step = lse_step * (kDV / 4);
 
-  // Max over the parts; NaN is remembered so that a NaN part makes the row NaN.
-  float mx = -INFINITY;
-  bool nan = false;
-  for (int k = lane; k < n; k += 32) {
-    const float v = lse_k[k * stride];
+  // Lane v*32 + lane of a part: coalesced 512-byte loads; loads past cnt are never issued.
+  float4 x[kU][kVec];
+  auto load_batch = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        x[u][v] = j0 + u < cnt ? __ldcs(out_w + (j0 + u) * out_step + v * 32)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  };
+
+  // The first 32 lse of the warp's parts stay in the lanes; the first batch of partial rows is
+  // requested before the max is known (it does not depend on it).
+  const float l0 = lane < cnt ? lse_w[lane * lse_step] : -INFINITY;
+  load_batch(0);
+  float mx = fmaxf(-INFINITY, l0);  // fmaxf drops NaN: NaN is tracked on its own
+  bool nan = l0 != l0;
+  for (int j = lane + 32; j < cnt; j += 32) {
+    const float v = lse_w[j * lse_step];
     mx = fmaxf(mx, v);
     nan |= v != v;
   }
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
   nan = __any_sync(0xffffffffu, nan);
-
-  float acc[kDimsPerLane];
-#pragma unroll
-  for (int e = 0; e < kDimsPerLane; ++e) acc[e] = 0.f;
-  float lse = INFINITY;  // empty row: out 0, lse +inf
-  if (nan) {
-    lse = NAN;
-#pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) acc[e] = NAN;
-  } else if (mx != -INFINITY) {
-    // Weights of 32 parts at a time live in the lanes; the loads of 4 parts are issued together
-    // (the loop is latency-bound otherwise). Parts are added in index order: deterministic.
-    float w_sum = 0.f;
-    for (int k = lane; k < n; k += 32) w_sum += ptx::exp2_approx(lse_k[k * stride] - mx);
-#pragma unroll
-    for (int d = 16; d >= 1; d >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, d);
-    const float inv = 1.f / w_sum;
-    for (int k0 = 0; k0 < n; k0 += 32) {
-      const int cnt = min(32, n - k0);
-      const float w_lane =
-          lane < cnt ? ptx::exp2_approx(lse_k[(k0 + lane) * stride] - mx) * inv : 0.f;
-      const float4* src = reinterpret_cast<const float4*>(out_k + k0 * stride * kDV) + lane * 4;
-      const int64_t part_step = stride * kDV / 4;  // float4s between consecutive parts
-      int kk = 0;
-      for (; kk + 4 <= cnt; kk += 4) {
-        float4 x[4][4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) x[u][v] = src[(kk + u) * part_step + v];
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float w = __shfl_sync(0xffffffffu, w_lane, kk + u);
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            acc[4 * v + 0] += w * x[u][v].x;
-            acc[4 * v + 1] += w * x[u][v].y;
-            acc[4 * v + 2] += w * x[u][v].z;
-            acc[4 * v + 3] += w * x[u][v].w;
-          }
-        }
-      }
-      for (; kk < cnt; ++kk) {
-        const float w = __shfl_sync(0xffffffffu, w_lane, kk);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const float4 x = src[kk * part_step + v];
-          acc[4 * v + 0] += w * x.x;
-          acc[4 * v + 1] += w * x.y;
-          acc[4 * v + 2] += w * x.z;
-          acc[4 * v + 3] += w * x.w;
-        }
-      }
+  if constexpr (kW > 1) {
+    __shared__ float s_max[kCombineWarps];
+    __shared__ int s_nan[kCombineWarps];
+    if (lane == 0) {
+      s_max[warp] = mx;
+      s_nan[warp] = nan;
     }
-    lse = (mx + log2f(w_sum)) * 0.693147180559945309f;
-    if (p.sink != nullptr) {
-      const float f = 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+    __syncthreads();
+    const int w0 = warp - g;
+    mx = s_max[w0];
+    nan = s_nan[w0] != 0;
 #pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) acc[e] *= f;
+    for (int k = 1; k < kW; ++k) {
+      mx = fmaxf(mx, s_max[w0 + k]);
+      nan |= s_nan[w0 + k] != 0;
+    }
+  }
+  // Every warp of a row now holds the same mx and nan, so they take the same branch below.
+
+  // Unnormalized weights 2^(lse - mx) <= 1; their sum w_sum >= 1 divides at the end. Each warp
+  // adds its parts in index order.
+  float acc[kVec][4];
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
+  float w_sum = 0.f;
+  if (!nan && mx != -INFINITY) {
+    float e_lane = lane < cnt ? ptx::exp2_approx(l0 - mx) : 0.f;
+    for (int j0 = 0; j0 < cnt; j0 += kU) {
+      if (j0 > 0) {
+        if ((j0 & 31) == 0) {
+          const int j = j0 + lane;
+          e_lane = j < cnt ? ptx::exp2_approx(lse_w[j * lse_step] - mx) : 0.f;
+        }
+        load_batch(j0);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const float e = __shfl_sync(0xffffffffu, e_lane, (j0 + u) & 31);  // 0 past cnt
+        w_sum += e;
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) {
+          acc[v][0] += e * x[u][v].x;
+          acc[v][1] += e * x[u][v].y;
+          acc[v][2] += e * x[u][v].z;
+          acc[v][3] += e * x[u][v].w;
+        }
+      }
     }
   }
 
+  if constexpr (kW > 1) {
+    // Warps 1..kW-1 of a row hand their sums to warp 0, which adds them in warp order.
+    __shared__ float4 s_acc[kCombineWarps][kVec][32];
+    __shared__ float s_sum[kCombineWarps];
+    if (g > 0) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        s_acc[warp][v][lane] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+      }
+      if (lane == 0) s_sum[warp] = w_sum;
+    }
+    __syncthreads();
+    if (g > 0) return;
+#pragma unroll
+    for (int k = 1; k < kW; ++k) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        const float4 y = s_acc[warp + k][v][lane];
+        acc[v][0] += y.x;
+        acc[v][1] += y.y;
+        acc[v][2] += y.z;
+        acc[v][3] += y.w;
+      }
+      w_sum += s_sum[warp + k];
+    }
+  }
+  if (!live) return;
+
+  int i, s, head;
+  if (p.dense) {
+    i = blockIdx.x;
+    const int grp = row / p.rows_per_group, lr = row % p.rows_per_group;
+    s = lr / p.hpk;
+    head = grp * p.hpk + lr % p.hpk;
+  } else {
+    i = blockIdx.x / p.s_q;
+    s = blockIdx.x % p.s_q;
+    head = row;
+  }
+
+  float lse = INFINITY;  // every part empty: out 0, lse +inf
+  float f = 0.f;
+  if (nan) {
+    lse = NAN;
+    f = NAN;
+  } else if (mx != -INFINITY) {
+    lse = (mx + log2f(w_sum)) * 0.693147180559945309f;
+    f = 1.f / w_sum;
+    if (p.sink != nullptr) f *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+  }
+
   uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
-                  lane * kDimsPerLane;
-  uint4 v0, v1;
-  v0.x = ptx::pack2<kFP16>(acc[0], acc[1]);
-  v0.y = ptx::pack2<kFP16>(acc[2], acc[3]);
-  v0.z = ptx::pack2<kFP16>(acc[4], acc[5]);
-  v0.w = ptx::pack2<kFP16>(acc[6], acc[7]);
-  v1.x = ptx::pack2<kFP16>(acc[8], acc[9]);
-  v1.y = ptx::pack2<kFP16>(acc[10], acc[11]);
-  v1.z = ptx::pack2<kFP16>(acc[12], acc[13]);
-  v1.w = ptx::pack2<kFP16>(acc[14], acc[15]);
-  reinterpret_cast<uint4*>(dst)[0] = v0;
-  reinterpret_cast<uint4*>(dst)[1] = v1;
-  if (lane == 0) p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+                  blockIdx.z * kDims + lane * 4;
+  // f is NaN for a NaN row and 0 for an empty one (whose acc is 0).
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+    uint2 o;
+    o.x = ptx::pack2<kFP16>(acc[v][0] * f, acc[v][1] * f);
+    o.y = ptx::pack2<kFP16>(acc[v][2] * f, acc[v][3] * f);
+    *reinterpret_cast<uint2*>(dst + v * 128) = o;
+  }
+  if (lane == 0 && blockIdx.z == 0) {
+    p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+  }
+}
+
+template <bool kFP16, int kW, int kVec>
+void launch_layout(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
+  constexpr int kRows = kCombineWarps / kW;
+  const dim3 grid(static_cast<unsigned>(shape.num_pairs),
+                  static_cast<unsigned>((shape.rows_per_pair + kRows - 1) / kRows),
+                  static_cast<unsigned>(4 / kVec));
+  combine_kernel<kFP16, kW, kVec><<<grid, kCombineThreads, 0, stream>>>(params);
+}
+
+template <bool kFP16>
+void launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
+                cudaStream_t stream) {
+  switch (layout) {
+    case 0: return launch_layout<kFP16, 8, 1>(shape, params, stream);
+    case 1: return launch_layout<kFP16, 8, 2>(shape, params, stream);
+    case 2: return launch_layout<kFP16, 8, 4>(shape, params, stream);
+    case 3: return launch_layout<kFP16, 4, 4>(shape, params, stream);
+    case 4: return launch_layout<kFP16, 2, 4>(shape, params, stream);
+    default: return launch_layout<kFP16, 1, 4>(shape, params, stream);
+  }
+}
+
+// The widest layout whose grid stays within kMaxWideCtas, from the shapes alone. No pair can be
+// split into more parts than there are parts or slots: more warps a row than that would idle.
+int pick_layout(const DecodeShape& shape) {
+  // Test hook: SPARSE_MLA_COMBINE_LAYOUT=w8d128|w8d256|w8d512|w4d512|w2d512|w1d512 forces one.
+  if (const char* env = std::getenv("SPARSE_MLA_COMBINE_LAYOUT")) {
+    for (int c = 0; c < kNumLayouts; ++c) {
+      if (std::strcmp(env, kLayouts[c].name) == 0) return c;
+    }
+  }
+  if (shape.num_parts < kWideSplit * shape.num_pairs) return kNumLayouts - 1;
+  const int64_t max_split = shape.num_parts < shape.max_slots ? shape.num_parts : shape.max_slots;
+  for (int c = 0; c < kNumLayouts - 1; ++c) {
+    const CombineLayout& l = kLayouts[c];
+    if (l.warps_per_row > max_split) continue;
+    const int64_t rows = kCombineWarps / l.warps_per_row;
+    const int64_t ctas = static_cast<int64_t>(shape.num_pairs) *
+                         ((shape.rows_per_pair + rows - 1) / rows) * (4 / l.vec);
+    if (ctas <= kMaxWideCtas) return c;
+  }
+  return kNumLayouts - 1;
 }
 
 }  // namespace
 
 Status launch_combine(const DecodeShape& shape, const DecodeParams& params, bool fp16_out,
                       cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(shape.num_pairs),
-                  static_cast<unsigned>((shape.rows_per_pair + kRowsPerCta - 1) / kRowsPerCta));
+  const int layout = pick_layout(shape);
   if (fp16_out) {
-    combine_kernel<true><<<grid, kCombineThreads, 0, stream>>>(params);
+    launch_fmt<true>(layout, shape, params, stream);
   } else {
-    combine_kernel<false><<<grid, kCombineThreads, 0, stream>>>(params);
+    launch_fmt<false>(layout, shape, params, stream);
   }
   return check_launch("sparse_mla decode combine");
 }
