@@ -93,19 +93,37 @@ __device__ __forceinline__ float scaled(float x, float scale) {
   return x * scale;
 }
 
-// x / 2^e, bit-identical to the division: for |e| <= 126 the reciprocal is an exact normal
-// float, so both are the correctly rounded value of the same real number. NaN keeps its sign.
-__device__ __forceinline__ float unscale(float x, int e, float inv) {
-  if (isnan(x)) return x;
-  return e <= 126 ? x * inv : x / fmt::exp2i(e);
-}
-
 __device__ __forceinline__ bool slot_valid(int64_t slot, int64_t num_slots) {
   return slot >= 0 && slot < num_slots;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantize-and-store: one warp per token; lane l owns values [16l, 16l + 16) of the nope part.
+// Quantize-and-store. A warp stores kTokens consecutive source rows. A row is cut into 16-byte
+// groups (8 bf16 or 4 float32 values); lane l owns groups l, l + 32, l + 64, ... so every load and
+// store instruction of the warp covers one contiguous span. The warp issues the slot and source
+// loads of all its rows before any arithmetic, so the memory system always has several rows per
+// warp in flight instead of one row behind a dependent slot load.
+
+// n / d for 0 <= n < 2^31 with a multiply and a shift (Granlund-Montgomery, round-up multiplier):
+// the page of a slot, without a 64-bit division per token. d is clamped to 2^31, which gives page
+// 0 for every valid int32 slot, as the true division by a larger page size would.
+struct SlotDivider {
+  uint32_t d = 1, mul = 1, shift = 0;
+
+  static SlotDivider make(int64_t page_size) {
+    SlotDivider s;
+    s.d = static_cast<uint32_t>(std::min<int64_t>(page_size, int64_t{1} << 31));
+    while ((uint64_t{1} << s.shift) < s.d) ++s.shift;
+    // < 2^32 for every d <= 2^31: 2^shift < 2d, and a power of two gives exactly 1.
+    s.mul =
+        static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s.shift) - s.d)) / s.d + 1);
+    return s;
+  }
+  // mulhi(n, mul) < n, so the sum stays below 2^32 for n < 2^31.
+  __device__ __forceinline__ uint32_t quotient(uint32_t n) const {
+    return (__umulhi(n, mul) + n) >> shift;
+  }
+};
 
 struct QuantizeParams {
   const void* src;         // [n, d_qk] row stride src_row_stride elements, last dim contiguous
@@ -115,7 +133,61 @@ struct QuantizeParams {
   int64_t n;
   uint8_t* cache;
   int64_t page_size, page_stride, num_slots;
+  SlotDivider page_div;
 };
+
+// Compile-time shape of one token for a cache format and source dtype.
+template <KVFormat kFormat, DType kSrc>
+struct QuantLayout {
+  using T = typename Elem<kSrc>::Storage;
+  static constexpr bool kModel1 = kFormat == KVFormat::kModel1;
+  static constexpr int kG = 16 / static_cast<int>(sizeof(T));  // values per 16-byte group
+  static constexpr int kNope = kModel1 ? kModel1NopeDims : kV32NopeDims;
+  static constexpr int kTile = kModel1 ? kModel1ScaleTile : kV32ScaleTile;
+  static constexpr int kGroups = (kNope + kRopeDims) / kG;
+  static constexpr int kNopeGroups = kNope / kG;
+  static constexpr int kSteps = (kGroups + kWarp - 1) / kWarp;  // groups per lane, some partial
+  static constexpr int kNopeSteps = (kNopeGroups + kWarp - 1) / kWarp;
+  static constexpr int kTileLanes = kTile / kG;  // lanes sharing one scale within a step
+  static constexpr int kRowBytes = kModel1 ? kModel1RowBytes : kV32BytesPerToken;
+  static constexpr int kRopeOffset = kModel1 ? kModel1NopeDims : fmt::kV32RopeOffset;
+  // Rows per warp: about 2 KB of source in flight per warp for either dtype.
+  static constexpr int kTokens = sizeof(T) == 2 ? 2 : 1;
+  static_assert(kWarp % kTileLanes == 0 && kNopeGroups % kTileLanes == 0,
+                "a scale tile must not straddle two steps or the nope/rope boundary");
+};
+
+// Group g of a source row (16 bytes). kVec: the row is 16-byte aligned; otherwise element loads.
+// The source is read once: streaming loads keep it from pushing the cache pages out of L2.
+template <typename T, bool kVec>
+__device__ __forceinline__ uint4 load_group(const T* row, int g) {
+  if constexpr (kVec) {
+    return __ldcs(reinterpret_cast<const uint4*>(row) + g);
+  } else {
+    constexpr int kG = 16 / sizeof(T);
+    T v[kG];
+#pragma unroll
+    for (int i = 0; i < kG; ++i) v[i] = row[kG * g + i];
+    uint4 r;
+    memcpy(&r, v, 16);
+    return r;
+  }
+}
+
+template <DType kSrc>
+__device__ __forceinline__ void group_values(
+    const uint4& raw, float (&x)[16 / sizeof(typename Elem<kSrc>::Storage)]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kSrc == DType::kBFloat16) {
+      x[2 * i] = fmt::bits_float(w[i] << 16);
+      x[2 * i + 1] = fmt::bits_float(w[i] & 0xffff0000u);
+    } else {
+      x[i] = fmt::bits_float(w[i]);
+    }
+  }
+}
 
 // Max of |x| over `group` adjacent lanes (group a power of two); NaN is ignored like std::fmax.
 template <int kGroup>
@@ -125,110 +197,156 @@ __device__ __forceinline__ float group_amax(float a) {
   return a;
 }
 
-// Two e4m3 codes (a in the low byte) of values already divided by their scale. On sm_89+ the
-// hardware conversion (round to nearest even, saturating to +-448 like fmt::float_to_e4m3) does
-// the work; NaN, whose sign the hardware drops, goes through the format's own function.
+// Two e4m3 codes (a in the low byte), round to nearest even saturating to +-448 like
+// fmt::float_to_e4m3, except that a NaN may come out with the wrong sign (fixed by the caller).
 __device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t packed;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(b), "f"(a));
-  uint32_t lo = packed & 0xffu, hi = packed >> 8;
-  if (isnan(a)) lo = fmt::float_to_e4m3(a);
-  if (isnan(b)) hi = fmt::float_to_e4m3(b);
-  return lo | (hi << 8);
+  return packed;
 #else
   return fmt::float_to_e4m3(a) | (static_cast<uint32_t>(fmt::float_to_e4m3(b)) << 8);
 #endif
 }
 
-// Quantizes 16 values sharing one scale 2^e; the amax over the tile comes from group_amax.
-__device__ __forceinline__ uint4 quantize16(const float (&x)[16], int e) {
-  const float inv = e <= 126 ? fmt::exp2i(-e) : 0.f;
-  uint32_t w[4];
+// e4m3 codes of x / 2^e, kN a multiple of 4, as little-endian words. x * 2^-e is the same
+// correctly rounded real as the CPU's x / 2^e, also for e = 127 (2^-127 is an exact subnormal and
+// the multiply does not flush). NaN codes are rare: a cheap byte test finds them, and only then
+// are their signs restored (the CPU's division keeps a NaN's sign, the GPU's paths may not).
+template <int kN>
+__device__ __forceinline__ void quantize_values(const float (&x)[kN], int e,
+                                                uint32_t (&w)[kN / 4]) {
+  const float inv = e <= 126 ? fmt::exp2i(-e) : fmt::bits_float(0x00400000u);
+  uint32_t nan_bytes = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = e4m3x2(unscale(x[4 * i], e, inv), unscale(x[4 * i + 1], e, inv));
-    const uint32_t hi = e4m3x2(unscale(x[4 * i + 2], e, inv), unscale(x[4 * i + 3], e, inv));
-    w[i] = lo | (hi << 16);
+  for (int i = 0; i < kN / 4; ++i) {
+    w[i] = e4m3x2(x[4 * i] * inv, x[4 * i + 1] * inv) |
+           (e4m3x2(x[4 * i + 2] * inv, x[4 * i + 3] * inv) << 16);
+    // A code is NaN iff its low 7 bits are all set; find a zero byte of ~w & 0x7f... per word.
+    const uint32_t v = ~w[i] & 0x7f7f7f7fu;
+    nan_bytes |= (v - 0x01010101u) & ~v & 0x80808080u;
   }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  if (nan_bytes != 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      if (isnan(x[i])) {
+        const uint32_t code = fmt::float_bits(x[i]) >> 31 ? 0xffu : 0x7fu;
+        const int shift = 8 * (i % 4);
+        w[i / 4] = (w[i / 4] & ~(0xffu << shift)) | (code << shift);
+      }
+    }
+  }
+}
+
+// Stores one token (its source groups already in registers) at a valid slot.
+template <KVFormat kFormat, DType kSrc>
+__device__ __forceinline__ void store_token(const QuantizeParams& p, int64_t slot,
+                                            const uint4 (&raw)[QuantLayout<kFormat, kSrc>::kSteps],
+                                            int lane) {
+  using L = QuantLayout<kFormat, kSrc>;
+  constexpr int kG = L::kG;
+  const uint32_t s = static_cast<uint32_t>(slot);  // valid slots are int32 values >= 0
+  const uint32_t page = p.page_div.quotient(s);
+  const uint32_t t = s - page * p.page_div.d;
+  uint8_t* base = p.cache + static_cast<int64_t>(page) * p.page_stride;
+  uint8_t* data = base + static_cast<int64_t>(t) * L::kRowBytes;
+
+  int e[L::kNopeSteps];
+#pragma unroll
+  for (int step = 0; step < L::kSteps; ++step) {
+    const int g = kWarp * step + lane;
+    if (step < L::kNopeSteps) {
+      // Uniform over the warp: every lane takes part in the shuffles, rope lanes with amax 0.
+      float x[kG];
+      group_values<kSrc>(raw[step], x);
+      const bool nope = g < L::kNopeGroups;
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < kG; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      amax = group_amax<L::kTileLanes>(nope ? amax : 0.f);
+      e[step] = fmt::scale_exponent(amax);
+      if (nope) {
+        uint32_t w[kG / 4];
+        quantize_values<kG>(x, e[step], w);
+        if constexpr (kG == 8) {
+          __stcs(reinterpret_cast<uint2*>(data) + g, make_uint2(w[0], w[1]));
+        } else {
+          __stcs(reinterpret_cast<unsigned int*>(data) + g, w[0]);
+        }
+        continue;
+      }
+    }
+    if (g >= L::kNopeGroups && g < L::kGroups) {
+      const int r = g - L::kNopeGroups;
+      if constexpr (kSrc == DType::kBFloat16) {
+        __stcs(reinterpret_cast<uint4*>(data + L::kRopeOffset) + r, raw[step]);  // bits as they are
+      } else {
+        const uint32_t lo =
+            fmt::float_to_bf16(fmt::bits_float(raw[step].x)) |
+            (static_cast<uint32_t>(fmt::float_to_bf16(fmt::bits_float(raw[step].y))) << 16);
+        const uint32_t hi =
+            fmt::float_to_bf16(fmt::bits_float(raw[step].z)) |
+            (static_cast<uint32_t>(fmt::float_to_bf16(fmt::bits_float(raw[step].w))) << 16);
+        __stcs(reinterpret_cast<uint2*>(data + L::kRopeOffset) + r, make_uint2(lo, hi));
+      }
+    }
+  }
+
+  // Lane j < number of tiles fetches tile j's exponent: step (j * kTileLanes) / 32, lane
+  // (j * kTileLanes) % 32. One shuffle per step, every lane taking part.
+  const int first = lane * L::kTileLanes;
+  int ej = 0;
+#pragma unroll
+  for (int step = 0; step < L::kNopeSteps; ++step) {
+    const int v = __shfl_sync(kFullMask, e[step], first % kWarp);
+    if (first / kWarp == step) ej = v;
+  }
+  if constexpr (L::kModel1) {
+    // 7 UE8M0 bytes and the unused zero byte: one store instruction, eight lanes, one sector.
+    // Kept at normal L2 priority: the footers of four neighbouring tokens share a sector.
+    if (lane < kModel1ScaleBytes) {
+      base[fmt::model1_scale_offset(p.page_size, t) + lane] =
+          lane < kModel1NopeDims / kModel1ScaleTile ? static_cast<uint8_t>(ej + 127) : 0;
+    }
+  } else {
+    if (lane < kV32NopeDims / kV32ScaleTile) {
+      __stcs(reinterpret_cast<float*>(data + fmt::kV32ScaleOffset) + lane, fmt::exp2i(ej));
+    }
+  }
 }
 
 template <KVFormat kFormat, DType kSrc, bool kVec>
 __global__ void __launch_bounds__(256) quantize_store_kernel(QuantizeParams p) {
-  using E = Elem<kSrc>;
-  using T = typename E::Storage;
+  using L = QuantLayout<kFormat, kSrc>;
+  using T = typename L::T;
   const int lane = threadIdx.x % kWarp;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  if (row >= p.n) return;
-  const int64_t slot = p.slots[row * p.slot_stride];
-  if (!slot_valid(slot, p.num_slots)) return;  // whole warp: slot is uniform
-  const int64_t page = slot / p.page_size;
-  const int64_t t = slot - page * p.page_size;
-  uint8_t* base = p.cache + page * p.page_stride;
-  const T* src = static_cast<const T*>(p.src) + row * p.src_row_stride;
+  const int64_t warp =
+      static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const int64_t row0 = warp * L::kTokens;
+  if (row0 >= p.n) return;  // whole warp
 
-  T raw[16];
-  load_elems<T, 16, kVec>(src, 16 * lane, raw);
-  float x[16];
-  float amax = 0.f;
+  // Every load first: slots (the same address in all lanes) and the source groups. Source rows
+  // below n always exist, so they are read before their slot is known to be valid.
+  int64_t slot[L::kTokens];
+  uint4 raw[L::kTokens][L::kSteps];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    x[i] = E::to_float(raw[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
+  for (int k = 0; k < L::kTokens; ++k) {
+    const int64_t row = row0 + k;
+    slot[k] = -1;
+    if (row < p.n) {  // uniform
+      slot[k] = __ldg(p.slots + row * p.slot_stride);
+      const T* src = static_cast<const T*>(p.src) + row * p.src_row_stride;
+#pragma unroll
+      for (int step = 0; step < L::kSteps; ++step) {
+        const int g = kWarp * step + lane;
+        raw[k][step] = g < L::kGroups ? load_group<T, kVec>(src, g) : make_uint4(0, 0, 0, 0);
+      }
+    }
   }
-
-  if constexpr (kFormat == KVFormat::kModel1) {
-    // Lanes 0..27: 448 nope values, 4 lanes per 64-wide tile. Lanes 28..31: 64 rope values.
-    amax = group_amax<4>(amax);
-    const int e = fmt::scale_exponent(amax);
-    uint8_t* data = base + fmt::model1_row_offset(t);
-    if (lane < kModel1NopeDims / 16) {
-      reinterpret_cast<uint4*>(data)[lane] = quantize16(x, e);
-    } else {
-      uint16_t r[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) r[i] = E::to_bf16(raw[i]);
-      uint4 v[2];
-      memcpy(v, r, 32);
-      uint4* dst = reinterpret_cast<uint4*>(data + kModel1NopeDims) + 2 * (lane - 28);
-      dst[0] = v[0];
-      dst[1] = v[1];
-    }
-    uint8_t s[8];
-#pragma unroll
-    for (int j = 0; j < 7; ++j) s[j] = static_cast<uint8_t>(__shfl_sync(kFullMask, e, 4 * j) + 127);
-    s[7] = 0;
-    if (lane == 0) {
-      uint2 packed;
-      memcpy(&packed, s, 8);
-      *reinterpret_cast<uint2*>(base + fmt::model1_scale_offset(p.page_size, t)) = packed;
-    }
-  } else {
-    // V32: lanes 0..31 hold the 512 nope values, 8 lanes per 128-wide tile; lanes 0..7 also
-    // carry 8 rope values each.
-    amax = group_amax<8>(amax);
-    const int e = fmt::scale_exponent(amax);
-    uint8_t* data = base + t * kV32BytesPerToken;
-    reinterpret_cast<uint4*>(data)[lane] = quantize16(x, e);
-    float sc[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sc[j] = fmt::exp2i(__shfl_sync(kFullMask, e, 8 * j));
-    if (lane == 0) {
-      uint4 packed;
-      memcpy(&packed, sc, 16);
-      *reinterpret_cast<uint4*>(data + fmt::kV32ScaleOffset) = packed;
-    }
-    if (lane < kRopeDims / 8) {
-      T rr[8];
-      load_elems<T, 8, kVec>(src, kV32NopeDims + 8 * lane, rr);
-      uint16_t r[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) r[i] = E::to_bf16(rr[i]);
-      uint4 v;
-      memcpy(&v, r, 16);
-      reinterpret_cast<uint4*>(data + fmt::kV32RopeOffset)[lane] = v;
-    }
+  for (int k = 0; k < L::kTokens; ++k) {
+    // slot is uniform over the warp, so the shuffles inside see every lane.
+    if (slot_valid(slot[k], p.num_slots)) store_token<kFormat, kSrc>(p, slot[k], raw[k], lane);
   }
 }
 
@@ -459,7 +577,8 @@ constexpr int kRowsPerBlock = kRowThreads / kWarp;
 
 template <KVFormat kFormat, DType kSrc>
 void launch_quantize(const QuantizeParams& p, bool vec, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>((p.n + kRowsPerBlock - 1) / kRowsPerBlock);
+  constexpr int64_t kRows = int64_t{kRowsPerBlock} * QuantLayout<kFormat, kSrc>::kTokens;
+  const unsigned grid = static_cast<unsigned>((p.n + kRows - 1) / kRows);
   if (vec) {
     quantize_store_kernel<kFormat, kSrc, true><<<grid, kRowThreads, 0, stream>>>(p);
   } else {
@@ -502,6 +621,7 @@ Status quantize_store(const QuantizeStoreArgs& args, void* stream) {
   p.page_size = args.kv.page_size;
   p.page_stride = args.kv.page_stride;
   p.num_slots = args.kv.num_slots();
+  p.page_div = SlotDivider::make(args.kv.page_size);
   const bool vec = rows_vectorizable(args.src);
   auto s = static_cast<cudaStream_t>(stream);
   const bool model1 = args.kv.format == KVFormat::kModel1;

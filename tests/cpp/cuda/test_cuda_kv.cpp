@@ -1,8 +1,9 @@
 // CUDA KV-cache tools through the public API: quantize_store, dequantize and repack_pages must
 // leave exactly the bytes the CPU backend leaves (whole cache images compared, so bytes nobody
 // should write are checked too), and agree with the reference quantizer / dequantizer and with
-// a byte-copy model of repacking written here from the spec. Page sizes 1/2/53/61/64/69/256,
-// padded page strides, padded and misaligned rows, slots -1 / out of range, corrupt block tables.
+// a byte-copy model of repacking written here from the spec. Page sizes 1 to 1000 (odd ones
+// included), padded page strides, padded and misaligned rows, slots -1 / out of range, NaN and
+// infinite sources, corrupt block tables.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -154,6 +155,12 @@ void source_row(ref::Rng& rng, int64_t r, int d, float* v) {
         if (j % 64 == 0) v[j] = j % 128 ? -448.f : 448.f;
       }
       break;
+    case 9:
+      // A whole scale tile of NaN of both signs (its amax is 0) next to ordinary tiles.
+      for (int j = 128; j < 256; ++j) {
+        v[j] = std::copysign(std::numeric_limits<float>::quiet_NaN(), j % 3 ? 1.f : -1.f);
+      }
+      break;
     default:
       break;
   }
@@ -228,6 +235,12 @@ TEST(CudaKV, QuantizeStoreMatchesCpuAndReference) {
       run_quantize_case({f, dt, 61, 0, 0, dtype_size(dt), 100}, seed + 3);  // pointer offset
       run_quantize_case({f, dt, 256, 0, 0, 0, 5000}, seed + 4);
       run_quantize_case({f, dt, 2, 0, 0, 0, 1}, seed + 5);
+      // Page sizes that stress the kernel's multiply-shift page division, and odd row counts
+      // (a warp stores two bf16 rows, so its second row may not exist).
+      for (int64_t ps : {3, 7, 255, 257, 1000}) {
+        run_quantize_case({f, dt, ps, 32, 0, 0, 301}, seed + 6 + ps);
+      }
+      run_quantize_case({f, dt, 64, 0, 0, 0, 3}, seed + 7);
     }
   }
 }
