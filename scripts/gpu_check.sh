@@ -31,7 +31,10 @@ for s in $steps; do
         -DSPARSE_MLA_CUDA=ON -DSPARSE_MLA_CUDA_ARCHS='$archs' && cmake --build $build_dir -j 16" ;;
     test)  # the whole gtest binary (CPU and GPU tests); GPU tests must not skip here
       step test bash -c "$build_dir/tests/cpp/sparse_mla_tests --gtest_brief=1 && \
-        ! $build_dir/tests/cpp/sparse_mla_tests --gtest_filter='Cuda*:*/Cuda*' | grep -q SKIPPED" ;;
+        ! $build_dir/tests/cpp/sparse_mla_tests --gtest_filter='Cuda*:*/Cuda*' | grep -q SKIPPED"
+      # the GPU tests again on the Hopper backend (fails where sm90 is not usable)
+      step test_sm90 bash -c "SPARSE_MLA_TEST_BACKEND=sm90 $build_dir/tests/cpp/sparse_mla_tests \
+        --gtest_brief=1 --gtest_filter='Cuda*:*/Cuda*'" ;;
     python)
       step python bash -c "python3 -m pip install -q --no-build-isolation --no-deps . \
         -C cmake.define.SPARSE_MLA_CUDA_ARCHS='$archs' -C build-dir=build-py-gpu && \
@@ -49,7 +52,10 @@ done
 echo
 echo "GPU check ($(head -2 "$out/gpu.txt" | tail -1))"
 printf '%-10s %s\n' step result
-for s in $steps; do printf '%-10s %s\n' "$s" "${result[$s]:-skipped}"; done
-grep -h -E "PASSED|FAILED" "$out/test.log" 2>/dev/null | tail -3
+for s in $steps; do
+  printf '%-10s %s\n' "$s" "${result[$s]:-skipped}"
+  [ "$s" = test ] && printf '%-10s %s\n' test_sm90 "${result[test_sm90]:-skipped}"
+done
+grep -h -E "PASSED|FAILED" "$out/test.log" "$out/test_sm90.log" 2>/dev/null | tail -6
 cat "$out/sanitize_summary.txt" 2>/dev/null
 grep -h -E "passed|failed" "$out/python.log" 2>/dev/null | tail -1

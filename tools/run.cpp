@@ -688,10 +688,11 @@ Status resolve_backend(const Config& cfg, Backend* chosen, std::string* device_d
   }
   const std::vector<Backend> have = available_backends();
   const bool cuda_ok = std::find(have.begin(), have.end(), Backend::kCUDA) != have.end();
-  if (want == Backend::kAuto) want = cuda_ok ? Backend::kCUDA : Backend::kCPU;
-  if (want == Backend::kSM90) {
+  const bool sm90_ok = std::find(have.begin(), have.end(), Backend::kSM90) != have.end();
+  if (want == Backend::kAuto) want = sm90_ok ? Backend::kSM90 : (cuda_ok ? Backend::kCUDA : Backend::kCPU);
+  if (want == Backend::kSM90 && !sm90_ok) {
     return Status::Unsupported(
-        "backend sm90: not part of this build (no Hopper-specific kernels yet); use cuda or auto");
+        "backend sm90: needs an sm_90 (Hopper) GPU and a build with 90a in SPARSE_MLA_CUDA_ARCHS");
   }
   if (want == Backend::kCUDA && !cuda_ok) {
 #if SPARSE_MLA_WITH_CUDA
@@ -709,7 +710,7 @@ Status resolve_backend(const Config& cfg, Backend* chosen, std::string* device_d
   *chosen = want;
   *device_desc = "the host, " + std::to_string(omp_get_max_threads()) + " OpenMP threads";
 #if SPARSE_MLA_WITH_CUDA
-  if (want == Backend::kCUDA) {
+  if (want != Backend::kCPU) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
       *device_desc = std::string(prop.name) + " (sm_" +

@@ -33,7 +33,10 @@ std::vector<Backend> available_backends() {
   std::vector<Backend> backends;
 #if SPARSE_MLA_WITH_CUDA
   std::string why_not;
-  if (cuda::device_usable(0, &why_not)) backends.push_back(Backend::kCUDA);
+  if (cuda::device_usable(0, &why_not)) {
+    if (cuda::sm90_usable(0, &why_not)) backends.push_back(Backend::kSM90);
+    backends.push_back(Backend::kCUDA);
+  }
 #endif
   backends.push_back(Backend::kCPU);
   return backends;

@@ -64,16 +64,18 @@ Status select_backend(const Options& options, Device device, const char* op, Bac
     return Status::InvalidArgument(std::string(op) + ": backend 'cpu' runs on host tensors, but "
                                    "the tensors are on " + device_name(device));
   }
-  if (requested == Backend::kSM90) {
-    return Status::Unsupported(std::string(op) + ": backend 'sm90' is not part of this build "
-                               "(no Hopper-specific kernels yet); use 'cuda' or 'auto'");
-  }
 #if SPARSE_MLA_WITH_CUDA
   std::string why_not;
   if (!cuda::device_usable(device.index, &why_not)) {
     return Status::Unsupported(std::string(op) + ": " + why_not);
   }
-  *chosen = Backend::kCUDA;
+  // auto: the Hopper path where it can run. Operations without a Hopper kernel of their own run
+  // the portable kernels under either name.
+  const bool sm90 = cuda::sm90_usable(device.index, &why_not);
+  if (requested == Backend::kSM90 && !sm90) {
+    return Status::Unsupported(std::string(op) + ": backend 'sm90': " + why_not);
+  }
+  *chosen = requested == Backend::kCUDA || !sm90 ? Backend::kCUDA : Backend::kSM90;
   return Status::Ok();
 #else
   return Status::Unsupported(std::string(op) + ": tensors are on " + device_name(device) +
@@ -366,9 +368,10 @@ Status sparse_decode_workspace_size(const SparseDecodeArgs& args, const Options&
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
   *sizes = WorkspaceSizes{};
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) *sizes = cuda::sparse_decode_workspace_size(p, args.q.device.index);
+  if (backend != Backend::kCPU) *sizes = cuda::sparse_decode_workspace_size(p, args.q.device.index);
 #endif
   return Status::Ok();
 }
@@ -379,8 +382,9 @@ Status sparse_decode_plan(const SparseDecodeArgs& args, const Workspace& workspa
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
         workspace, cuda::sparse_decode_workspace_size(p, args.q.device.index)));
     DeviceGuard guard(args.q.device.index);
@@ -397,8 +401,9 @@ Status sparse_decode(const SparseDecodeArgs& args, const Workspace& workspace,
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
         workspace, cuda::sparse_decode_workspace_size(p, args.q.device.index)));
     DeviceGuard guard(args.q.device.index);
@@ -425,9 +430,10 @@ Status dense_decode_workspace_size(const DenseDecodeArgs& args, const Options& o
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
   *sizes = WorkspaceSizes{};
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) *sizes = cuda::dense_decode_workspace_size(p, args.q.device.index);
+  if (backend != Backend::kCPU) *sizes = cuda::dense_decode_workspace_size(p, args.q.device.index);
 #endif
   return Status::Ok();
 }
@@ -438,8 +444,9 @@ Status dense_decode_plan(const DenseDecodeArgs& args, const Workspace& workspace
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
         workspace, cuda::dense_decode_workspace_size(p, args.q.device.index)));
     DeviceGuard guard(args.q.device.index);
@@ -456,8 +463,9 @@ Status dense_decode(const DenseDecodeArgs& args, const Workspace& workspace,
   Backend backend;
   SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
+  p.sm90 = backend == Backend::kSM90;
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
         workspace, cuda::dense_decode_workspace_size(p, args.q.device.index)));
     DeviceGuard guard(args.q.device.index);
@@ -477,7 +485,7 @@ Status merge_attention(const MergeArgs& args, const Options& options) {
   SPARSE_MLA_RETURN_IF_ERROR(validate_merge(args, &p));
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.out_parts.device, "merge_attention", &backend));
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     DeviceGuard guard(args.out_parts.device.index);
     return cuda::merge_attention(args, p, options.stream);
   }
@@ -492,7 +500,7 @@ Status quantize_store(const QuantizeStoreArgs& args, const Options& options) {
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.src.device, "quantize_store", &backend));
   if (args.src.shape[0] == 0) return Status::Ok();
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     DeviceGuard guard(args.src.device.index);
     return cuda::quantize_store(args, options.stream);
   }
@@ -506,7 +514,7 @@ Status dequantize(const DequantizeArgs& args, const Options& options) {
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.kv.device, "dequantize", &backend));
   if (args.slots.shape[0] == 0) return Status::Ok();
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     DeviceGuard guard(args.kv.device.index);
     return cuda::dequantize(args, options.stream);
   }
@@ -520,7 +528,7 @@ Status repack_pages(const RepackArgs& args, const Options& options) {
   SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.src.device, "repack_pages", &backend));
   if (args.seqlens.shape[0] == 0) return Status::Ok();
 #if SPARSE_MLA_WITH_CUDA
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {
     DeviceGuard guard(args.src.device.index);
     return cuda::repack_pages(args, options.stream);
   }

@@ -17,6 +17,7 @@ struct SparseDecodeProblem {
   int d_v = kDV;
   float softmax_scale = 0.f;
   bool has_extra = false;
+  bool sm90 = false;  // backend sm90: the wgmma kernel where it applies
 };
 
 struct DenseDecodeProblem {
@@ -26,6 +27,7 @@ struct DenseDecodeProblem {
   int d_v = kDV;
   float softmax_scale = 0.f;
   bool causal = false;
+  bool sm90 = false;  // backend sm90: the wgmma kernel where it applies
 };
 
 struct MergeProblem {

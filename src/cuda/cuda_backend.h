@@ -8,6 +8,9 @@ namespace sparse_mla::cuda {
 
 // Whether the CUDA runtime sees a device this build has code for ("" when yes, else why not).
 bool device_usable(int device_index, std::string* why_not);
+// Whether `device_index` is an sm_90 GPU and this build carries the sm_90a kernels (the `sm90`
+// backend); otherwise *why_not says why. Cached per device.
+bool sm90_usable(int device_index, std::string* why_not);
 
 WorkspaceSizes sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index);
 Status sparse_decode_plan(const SparseDecodeArgs& args, const SparseDecodeProblem& p,

@@ -132,6 +132,11 @@ DeviceBuffer to_device(const std::vector<T>& host) {
 }
 
 // A non-blocking stream, destroyed with the object.
+inline Backend gpu_backend_under_test() {
+  const char* env = std::getenv("SPARSE_MLA_TEST_BACKEND");
+  return env != nullptr && std::string(env) == "sm90" ? Backend::kSM90 : Backend::kCUDA;
+}
+
 class Stream {
  public:
   Stream() {
@@ -151,8 +156,10 @@ class Stream {
     if (err != cudaSuccess) return ::testing::AssertionFailure() << cudaGetErrorString(err);
     return ::testing::AssertionSuccess();
   }
-  // Options that run a call with the CUDA backend on this stream.
-  Options options(Backend backend = Backend::kCUDA) const {
+  // Options that run a call on this stream with the GPU backend under test: `cuda` (portable
+  // kernels), or `sm90` when SPARSE_MLA_TEST_BACKEND=sm90 (scripts/gpu_check.sh runs the GPU
+  // tests once per backend).
+  Options options(Backend backend = gpu_backend_under_test()) const {
     Options o;
     o.backend = backend;
     o.stream = handle();

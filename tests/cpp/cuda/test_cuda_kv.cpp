@@ -218,7 +218,8 @@ void run_quantize_case(const QuantizeCase& c, uint64_t seed) {
     ref::write_row(want, slot, 0, rows[r].data());
     ++checked;
   }
-  EXPECT_GT(checked, c.n / 2);
+  // Most rows are plain; the first few carry the special patterns (NaN, inf) that are skipped.
+  EXPECT_GT(checked, c.n < 10 ? 0 : c.n / 2);
   EXPECT_TRUE(same_bytes(gpu, image(want), initial.desc())) << "GPU vs reference quantizer";
 }
 

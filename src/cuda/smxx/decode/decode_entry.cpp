@@ -57,15 +57,15 @@ Status sparse_shape(const SparseDecodeProblem& p, int device, DecodeShape* s) {
   }
   const Fmt fmt = p.d_qk == kModel1NopeDims + kRopeDims ? Fmt::kModel1 : Fmt::kV32;
   return smxx::decode::make_decode_shape(fmt, p.h_q, 1, p.b * p.s_q, p.h_q,
-                                         p.topk + p.extra_topk, device, s);
+                                         p.topk + p.extra_topk, p.sm90, device, s);
 }
 
 Status dense_shape(const DenseDecodeProblem& p, Fmt fmt, int device, DecodeShape* s) {
   const int64_t hpk = p.h_q / p.h_kv;
   // The page size is not part of the problem (the workspace query has only shapes), so the
   // longest request is unknown here: no small-batch tile switch for dense decode.
-  return smxx::decode::make_decode_shape(fmt, p.s_q * hpk, p.h_kv, p.b, p.s_q * p.h_q, 0, device,
-                                         s);
+  return smxx::decode::make_decode_shape(fmt, p.s_q * hpk, p.h_kv, p.b, p.s_q * p.h_q, 0, p.sm90,
+                                         device, s);
 }
 
 PlanParams plan_params(const DecodeShape& s, const Workspace& ws) {

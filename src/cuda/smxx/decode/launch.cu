@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "src/cuda/common/check.h"
+#include "src/cuda/sm90/sm90.h"
 
 namespace sparse_mla::cuda::smxx::decode {
 namespace {
@@ -102,7 +103,8 @@ KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
 }
 
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, int device, DecodeShape* shape) {
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
+                         DecodeShape* shape) {
   DeviceInfo dev;
   SPARSE_MLA_RETURN_IF_ERROR(device_info(device, &dev));
 
@@ -125,9 +127,11 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
       n_order = 3;
     }
   }
-  // Test hook: SPARSE_MLA_DECODE_TILES=64x32|32x32|16x32|16x16 forces one configuration, so that
-  // tests on a big GPU also run the tiles that only small-shared-memory GPUs would pick.
+  // Test hook: SPARSE_MLA_DECODE_TILES=64x32|32x32|16x32|16x16 forces one portable configuration
+  // (also under the sm90 backend), so that tests on a big GPU also run the tiles that only
+  // small-shared-memory GPUs would pick.
   TileCfg forced[1];
+  bool force = false;
   if (const char* env = std::getenv("SPARSE_MLA_DECODE_TILES")) {
     const std::string v(env);
     const char* names[] = {"64x32", "32x32", "16x32", "16x16"};
@@ -136,6 +140,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
         forced[0] = static_cast<TileCfg>(c);
         order = forced;
         n_order = 1;
+        force = true;
       }
     }
   }
@@ -148,6 +153,12 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
       cfg = order[c];
       break;
     }
+  }
+  // The Hopper kernel computes 64 rows per CTA; with 32 rows or fewer the portable tiles pad less.
+  const bool use_sm90 = sm90 && rows_per_group > 32 && !force;
+  if (use_sm90) {
+    k = sm90::kernel_entry(fmt);
+    if (k.smem_bytes > dev.max_smem_optin) k = KernelEntry{};
   }
   if (k.fn == nullptr) {
     return Status::Unsupported(std::string("cuda decode: no ") + fmt_name(fmt) +
@@ -162,6 +173,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   DecodeShape s;
   s.fmt = fmt;
   s.cfg = cfg;
+  s.sm90 = use_sm90;
   s.kernel = k;
   s.rows_per_group = static_cast<int>(rows_per_group);
   s.blocks_per_group = static_cast<int>((rows_per_group + k.rows_per_cta - 1) / k.rows_per_cta);

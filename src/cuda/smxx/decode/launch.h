@@ -31,7 +31,8 @@ KernelEntry kernel_entry_fp16(TileCfg cfg);
 // same shape, so plan() and run() agree without storing anything.
 struct DecodeShape {
   Fmt fmt = Fmt::kModel1;
-  TileCfg cfg = TileCfg::kH64T32;
+  TileCfg cfg = TileCfg::kH64T32;  // portable kernels only
+  bool sm90 = false;                // the Hopper kernel instead
   KernelEntry kernel;
   int rows_per_group = 0;    // query rows sharing a token list
   int blocks_per_group = 0;  // CTAs (row blocks) per group
@@ -47,9 +48,11 @@ struct DecodeShape {
 };
 
 // rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams; max_len bounds the
-// tokens of a pair from the shapes alone (0: unknown).
+// tokens of a pair from the shapes alone (0: unknown). sm90: use the Hopper wgmma kernel
+// (src/cuda/sm90/) where it applies (more than 32 rows per token list).
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, int device, DecodeShape* shape);
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
+                         DecodeShape* shape);
 
 // Cost-line constants of the planner (in tiles): a pair's fixed cost (Q load, pipeline fill,
 // epilogue) and the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row,

@@ -1,0 +1,563 @@
+// The Hopper (sm_90a) decode kernel: same work split, plan, parameters and combine as the portable
+// kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
+//
+// One CTA owns 64 query rows and walks the 64-token tiles of its part. Three warpgroups:
+//   producer  (warps 0-3): gathers each tile's rows. FP8 rows go through registers and are
+//             dequantized once into a bf16 tile for all 64 rows; bf16/fp16 rows and the rope
+//             part are copied with cp.async. Also loads Q at the start of every pair.
+//   consumers (warps 4-11): consumer c computes S for tokens [32c, 32c + 32) of the tile over
+//             the whole d_qk (wgmma m64n32, Q and K from shared memory), the two exchange their
+//             row maxima, write P (bf16) for their tokens into shared memory, and consumer c
+//             accumulates O[:, 256c, 256c + 256) += P V with wgmma m64n256 (V = the same tile,
+//             read MN-major). O stays in registers (128 fp32 per thread).
+// Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
+// between the consumers per tile (row maxima, then P).
+//
+// Shared-memory operands use the 128-byte swizzle: a [rows x d] matrix is stored as d / 64
+// blocks of [rows x 128 bytes]; 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "src/cuda/common/fp8.cuh"
+#include "src/cuda/common/ptx.cuh"
+#include "src/cuda/sm90/wgmma.cuh"
+#include "src/cuda/smxx/decode/config.h"
+#include "src/cuda/smxx/decode/decode_kernel.cuh"
+#include "src/cuda/smxx/decode/params.h"
+#include "src/kv/format.h"
+
+namespace sparse_mla::cuda::sm90 {
+
+using smxx::decode::DecodeParams;
+using smxx::decode::Fmt;
+using smxx::decode::FormatTraits;
+using smxx::decode::PairInfo;
+using smxx::decode::PartStart;
+using smxx::decode::RowRef;
+
+template <Fmt F>
+struct Sm90Config {
+  using Traits = FormatTraits<F>;
+  static constexpr int kRows = 64;  // query rows per CTA (the wgmma M)
+  static constexpr int kT = 64;     // tokens per tile
+  static constexpr int kDqk = Traits::kDqk;
+  static constexpr int kBlocks = kDqk / 64;  // 128-byte column blocks of a row
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerRegs = 136;
+  static constexpr int kConsumerRegs = 184;  // 136 * 128 + 184 * 256 = 168 * 384, the launch allocation
+
+  static constexpr int kBlockBytes = kT * 128;  // one column block of a tile (kRows == kT)
+  static constexpr int kQBytes = kRows * kDqk * 2;
+  static constexpr int kTileBytes = kT * kDqk * 2;
+  static constexpr int kPBytes = kRows * kT * 2;
+
+  static constexpr int kQOff = 0;
+  static constexpr int kTileOff = kQOff + kQBytes;
+  static constexpr int kPOff = kTileOff + kStages * kTileBytes;
+  static constexpr int kMaxOff = kPOff + kPBytes;             // [2][kRows] float row maxima
+  static constexpr int kSumOff = kMaxOff + 2 * kRows * 4;     // [2][kRows] float row sums
+  static constexpr int kMaskOff = kSumOff + 2 * kRows * 4;    // [kStages][4] uint16 valid bits
+  static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
+  static constexpr int kNumBars = 2 * kStages + 2;
+  static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
+  static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
+
+  static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0 && kPBytes % 1024 == 0,
+                "swizzle atoms stay 1024-byte aligned");
+};
+
+// Byte offset of 16-byte chunk `chunk` (of a d-wide row) of row `row` in a swizzled matrix of
+// `rows` rows.
+__device__ __forceinline__ uint32_t sw_off(int row, int chunk, int rows) {
+  return (chunk >> 3) * (rows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+#if SPARSE_MLA_SM90_DEVICE
+
+// Walks the tiles of one part in order, as the portable kernel does: pairs from the part's
+// start to its end, and within a pair its tiles [k0, k1).
+struct TileCursor {
+  const DecodeParams* p;
+  PartStart end;
+  int pr;   // pair
+  int k;    // tile within the pair
+  int k0;   // first tile of the pair in this part
+  int k1;   // end tile of the pair in this part
+  int seg;  // pairs entered before this one
+  PairInfo info;
+
+  __device__ bool valid() const { return pr < p->num_pairs; }
+  __device__ bool first() const { return k == k0; }
+  __device__ bool last() const { return k + 1 == k1; }
+
+  // Enters pair pr at tile kt, skipping pairs with no tile in this part.
+  __device__ void enter(int kt) {
+    while (pr < p->num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
+      info = p->pairs[pr];
+      const int ntiles = info.len > 0 ? (info.len + 63) / 64 : 1;
+      k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
+      if (kt < k1) {
+        k = k0 = kt;
+        return;
+      }
+      ++pr;
+      kt = 0;
+    }
+    pr = p->num_pairs;
+  }
+
+  __device__ void init(const DecodeParams& params, int part) {
+    p = &params;
+    const PartStart begin = params.parts[part];
+    end = params.parts[part + 1];
+    pr = begin.pair;
+    seg = 0;
+    enter(begin.tile);
+  }
+
+  __device__ void advance() {
+    if (k + 1 < k1) {
+      ++k;
+      return;
+    }
+    ++pr;
+    ++seg;
+    enter(0);
+  }
+};
+
+template <Fmt F>
+struct Sm90Cta {
+  using Cfg = Sm90Config<F>;
+  using Tr = FormatTraits<F>;
+  static constexpr bool kHalf = Tr::kFP16;
+  static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
+  static constexpr int kChunks = Cfg::kDqk / 8;  // 16-byte chunks of a 16-bit row
+  static constexpr int kRopeSrc = F == Fmt::kModel1 ? 28 : 33;  // rope chunks in a stored FP8 row
+  static constexpr int kRopeDst = F == Fmt::kModel1 ? 56 : 64;  // ... and in the bf16 row
+
+  const DecodeParams& p;
+  uint8_t* smem;
+  int grp, row0, nrows;
+
+  __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
+  __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
+  __device__ uint8_t* p_smem() const { return smem + Cfg::kPOff; }
+  __device__ float* max_smem() const { return reinterpret_cast<float*>(smem + Cfg::kMaxOff); }
+  __device__ float* sum_smem() const { return reinterpret_cast<float*>(smem + Cfg::kSumOff); }
+  __device__ uint16_t* mask_smem(int st) const {
+    return reinterpret_cast<uint16_t*>(smem + Cfg::kMaskOff) + st * 4;
+  }
+  __device__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff) + i; }
+  __device__ uint64_t* full_bar(int st) const { return bar(st); }
+  __device__ uint64_t* empty_bar(int st) const { return bar(Cfg::kStages + st); }
+  __device__ uint64_t* q_full_bar() const { return bar(2 * Cfg::kStages); }
+  __device__ uint64_t* q_empty_bar() const { return bar(2 * Cfg::kStages + 1); }
+
+  __device__ void pair_coords(int pr, int* i, int* sq) const {
+    *i = p.dense ? pr : pr / p.s_q;
+    *sq = p.dense ? 0 : pr % p.s_q;
+  }
+  // Query row `lr` of the CTA's group -> (query token, head).
+  __device__ void row_coords(int lr, int sq, int* s, int* head) const {
+    if (p.dense) {
+      *s = lr / p.hpk;
+      *head = grp * p.hpk + lr % p.hpk;
+    } else {
+      *s = sq;
+      *head = lr;
+    }
+  }
+
+  // ---------------------------------------------------------------- producer (warps 0-3)
+
+  // Raw slot / page value of token `tok` of the cursor's tile (-1 past the end).
+  __device__ int raw_token(const TileCursor& c, int tok) const {
+    if (!c.valid()) return -1;
+    int i, sq;
+    pair_coords(c.pr, &i, &sq);
+    return smxx::decode::load_raw(p, c.info, i, sq, c.k * kT + tok);
+  }
+  __device__ RowRef resolve_token(const TileCursor& c, int tok, int raw) const {
+    if (!c.valid()) return RowRef{nullptr, nullptr};
+    return smxx::decode::resolve<F>(p, c.info, grp, c.k * kT + tok, raw);
+  }
+  // The token's dequantization scales: MODEL1 8 UE8M0 bytes, V32 4 fp32 (in a uint4).
+  __device__ uint4 load_scales(const RowRef& r) const {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r.row == nullptr) return v;
+    if constexpr (F == Fmt::kModel1) {
+      const uint2 s = __ldg(reinterpret_cast<const uint2*>(r.scale));
+      v.x = s.x;
+      v.y = s.y;
+    } else if constexpr (F == Fmt::kV32) {
+      v = __ldg(reinterpret_cast<const uint4*>(r.row + fmt::kV32ScaleOffset));
+    }
+    return v;
+  }
+
+  __device__ void load_q(const TileCursor& c, int tid) {
+    int i, sq;
+    pair_coords(c.pr, &i, &sq);
+    for (int u = tid; u < kRows * kChunks; u += 128) {
+      const int r = u / kChunks, ch = u % kChunks;
+      uint8_t* dst = q_smem() + sw_off(r, ch, kRows);
+      if (r < nrows) {
+        int s, head;
+        row_coords(row0 + r, sq, &s, &head);
+        const uint16_t* src = p.q + i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2];
+        ptx::cp_async_16(dst, src + ch * 8);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
+  __device__ void producer() {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, pw = tid >> 5;
+    const int tok = pw * 16 + (lane & 15);  // token of the tile resolved by this lane (lanes < 16)
+    TileCursor cur;
+    cur.init(p, blockIdx.x);
+    TileCursor nxt = cur;
+    if (nxt.valid()) nxt.advance();
+    RowRef ref = lane < 16 ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
+    uint4 scales = load_scales(ref);
+    int raw_next = lane < 16 ? raw_token(nxt, tok) : -1;
+
+    for (int it = 0; cur.valid(); ++it) {
+      const int st = it % Cfg::kStages;
+      const uint32_t phase = (it / Cfg::kStages) & 1;
+
+      // FP8 rows: issue the loads of all 16 tokens of this warp before anything waits.
+      uint4 data[16];
+      if constexpr (Tr::kFP8) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const auto row = reinterpret_cast<const uint8_t*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+          data[j] = make_uint4(0, 0, 0, 0);
+          if (row != nullptr && lane < Tr::kFP8Chunks) {
+            data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
+          }
+        }
+      }
+
+      // Rows and scales of the next tile, raw values of the one after.
+      TileCursor after = nxt;
+      if (after.valid()) after.advance();
+      const RowRef ref_next =
+          lane < 16 ? resolve_token(nxt, tok, raw_next) : RowRef{nullptr, nullptr};
+      const uint4 scales_next = load_scales(ref_next);
+      raw_next = lane < 16 ? raw_token(after, tok) : -1;
+
+      if (cur.first()) {
+        mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
+        load_q(cur, tid);
+        mbar_arrive_after_cp_async(q_full_bar());
+        mbar_arrive(q_full_bar());
+      }
+
+      mbar_wait(empty_bar(st), phase ^ 1);
+      uint8_t* tile = tile_smem(st);
+      const uint32_t valid = __ballot_sync(0xffffffffu, lane < 16 && ref.row != nullptr) & 0xffffu;
+      if (lane == 0) mask_smem(st)[pw] = static_cast<uint16_t>(valid);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int t = pw * 16 + j;
+        const auto row = reinterpret_cast<const uint8_t*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+        if constexpr (Tr::kFP8) {
+          float scale;
+          if constexpr (F == Fmt::kModel1) {
+            const uint32_t sx = __shfl_sync(0xffffffffu, scales.x, j);
+            const uint32_t sy = __shfl_sync(0xffffffffu, scales.y, j);
+            const int b = lane >> 2;  // 64-dim block of this lane's 16 values
+            scale = fmt::ue8m0_to_float(((b < 4 ? sx : sy) >> (8 * (b & 3))) & 0xffu);
+          } else {
+            const uint32_t s0 = __shfl_sync(0xffffffffu, scales.x, j);
+            const uint32_t s1 = __shfl_sync(0xffffffffu, scales.y, j);
+            const uint32_t s2 = __shfl_sync(0xffffffffu, scales.z, j);
+            const uint32_t s3 = __shfl_sync(0xffffffffu, scales.w, j);
+            const int b = lane >> 3;  // 128-dim block
+            scale = __uint_as_float(b == 0 ? s0 : (b == 1 ? s1 : (b == 2 ? s2 : s3)));
+          }
+          if (lane < Tr::kFP8Chunks) {
+            uint4 lo, hi;
+            e4m3x16_to_bf16(data[j], scale, lo, hi);
+            // Alternate the order between neighbouring 64-dim blocks so that the 8 lanes of
+            // a store phase hit 8 different bank groups.
+            const int swap = (lane >> 2) & 1;
+            *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + swap, kT)) = swap ? hi : lo;
+            *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + 1 - swap, kT)) = swap ? lo : hi;
+          }
+          if (lane < 8) {
+            uint8_t* dst = tile + sw_off(t, kRopeDst + lane, kT);
+            if (row != nullptr) {
+              ptx::cp_async_16(dst, row + (kRopeSrc + lane) * 16);
+            } else {
+              *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int ch = lane; ch < kChunks; ch += 32) {
+            uint8_t* dst = tile + sw_off(t, ch, kT);
+            if (row != nullptr) {
+              ptx::cp_async_16(dst, row + ch * 16);
+            } else {
+              *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            }
+          }
+        }
+      }
+      fence_proxy_async();
+      mbar_arrive_after_cp_async(full_bar(st));
+      mbar_arrive(full_bar(st));
+
+      cur = nxt;
+      nxt = after;
+      ref = ref_next;
+      scales = scales_next;
+    }
+    ptx::cp_async_wait<0>();
+  }
+
+  // ---------------------------------------------------------------- consumers (warps 4-11)
+
+  __device__ void consumer(int c) {
+    const int wt = threadIdx.x & 127;  // thread within the consumer warpgroup
+    const int lane = wt & 31;
+    const int r_lo = (wt >> 5) * 16 + (lane >> 2);  // this thread's rows: r_lo, r_lo + 8
+    const uint32_t q_addr = ptx::smem_addr(q_smem());
+    const uint32_t p_addr = ptx::smem_addr(p_smem());
+    float* row_max = max_smem();
+
+    TileCursor cur;
+    cur.init(p, blockIdx.x);
+    float o[128];
+    float m[2], l[2];
+    int lim[2];
+    for (int it = 0; cur.valid(); ++it) {
+      const int st = it % Cfg::kStages;
+      const uint32_t phase = (it / Cfg::kStages) & 1;
+      if (cur.first()) {
+#pragma unroll
+        for (int e = 0; e < 128; ++e) o[e] = 0.f;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          m[rr] = -INFINITY;
+          l[rr] = 0.f;
+          lim[rr] = 0x7fffffff;
+          if (p.dense && p.causal) lim[rr] = cur.info.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
+        }
+        mbar_wait(q_full_bar(), cur.seg & 1);
+      }
+      mbar_wait(full_bar(st), phase);
+      fence_proxy_async();
+      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+
+      // S = Q K^T for this consumer's 32 tokens.
+      float s[16];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
+        const uint32_t off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
+        wgmma_m64n32_kk<kHalf>(s, sw128_desc(q_addr + off, 0, 1024),
+                               sw128_desc(t_addr + off + c * 32 * 128, 0, 1024), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
+
+      // Mask and scale to base 2, then the row maxima of both consumers.
+      const uint16_t* mk = mask_smem(st);
+      const uint32_t vmask = c == 0 ? (mk[0] | (static_cast<uint32_t>(mk[1]) << 16))
+                                    : (mk[2] | (static_cast<uint32_t>(mk[3]) << 16));
+      const int pos0 = cur.k * kT + c * 32;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        if ((lane & 3) == 0) row_max[c * kRows + r_lo + 8 * rr] = mx[rr];
+      }
+      ptx::named_barrier(1, 256);
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const float other = row_max[(1 - c) * kRows + r_lo + 8 * rr];
+        const float m_new = fmaxf(m[rr], fmaxf(mx[rr], other));
+        // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
+        m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
+        m[rr] = m_new;
+      }
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
+        sum[(e >> 1) & 1] += s[e];
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+#pragma unroll
+      for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+
+      // P (16-bit) into shared memory: row r, tokens [32c, 32c + 32).
+      uint8_t* ps = p_smem();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = r_lo + 8 * rr;
+          const int chunk = c * 4 + j;
+          *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
+              ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+        }
+      }
+      fence_proxy_async();
+      ptx::named_barrier(2, 256);
+
+      // O[:, 256c, 256c + 256) += P V.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kT / 16; ++kk) {
+        wgmma_m64n256_kmn<kHalf>(
+            o, sw128_desc(p_addr + kk * 32, 0, 1024),
+            sw128_desc(t_addr + c * 4 * Cfg::kBlockBytes + kk * 16 * 128, Cfg::kBlockBytes, 1024),
+            1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (wt == 0) mbar_arrive(empty_bar(st));
+
+      if (cur.last()) epilogue(cur, c, wt, r_lo, o, m, l);
+      cur.advance();
+    }
+  }
+
+  __device__ void epilogue(const TileCursor& cur, int c, int wt, int r_lo, float (&o)[128],
+                           const float (&m)[2], float (&l)[2]) {
+    const int lane = wt & 31;
+    float* row_sum = sum_smem();
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+      if ((lane & 3) == 0) row_sum[c * kRows + r_lo + 8 * rr] = l[rr];
+    }
+    ptx::named_barrier(3, 256);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = r_lo + 8 * rr;
+      l[rr] = row_sum[r] + row_sum[kRows + r];  // same order in both consumers
+    }
+    const PairInfo& info = cur.info;
+    int i, sq;
+    pair_coords(cur.pr, &i, &sq);
+    if (info.nsplit <= 1) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_lo + 8 * rr;
+        if (r >= nrows) continue;
+        int s, head;
+        row_coords(row0 + r, sq, &s, &head);
+        float factor, lse;
+        if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf, sink or not
+          factor = 0.f;
+          lse = INFINITY;
+        } else {
+          lse = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
+          factor = 1.f / l[rr];
+          if (p.sink != nullptr) factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+        }
+        uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
+                        c * 256 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<uint32_t*>(dst + j * 8) =
+              ptx::pack2<kHalf>(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+        }
+        if (c == 0 && (lane & 3) == 0) {
+          p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+        }
+      }
+    } else {
+      // Partial output of a split pair: normalized fp32 rows + base-2 lse for the combine.
+      const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
+      if (slot < 0 || slot >= p.max_slots) return;
+      const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_lo + 8 * rr;
+        if (r >= nrows) continue;
+        const bool empty = l[rr] == 0.f;
+        const float inv = empty ? 0.f : 1.f / l[rr];
+        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
+        float* dst = p.part_out + prow * smxx::decode::kDV + c * 256 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
+        }
+        if (c == 0 && (lane & 3) == 0) p.part_lse[prow] = empty ? -INFINITY : m[rr] + log2f(l[rr]);
+      }
+    }
+  }
+};
+
+#endif  // SPARSE_MLA_SM90_DEVICE
+
+template <Fmt F>
+__global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
+    sm90_decode_kernel(const __grid_constant__ DecodeParams p) {
+#if SPARSE_MLA_SM90_DEVICE
+  using Cfg = Sm90Config<F>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t base = ptx::smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + ((1024 - (base & 1023)) & 1023);
+  Sm90Cta<F> cta{p, smem};
+  cta.grp = 0;
+  int rb = blockIdx.y;
+  if (p.dense) {
+    cta.grp = blockIdx.y / p.blocks_per_group;
+    rb = blockIdx.y % p.blocks_per_group;
+  }
+  cta.row0 = rb * Cfg::kRows;
+  cta.nrows = min(Cfg::kRows, p.rows_per_group - cta.row0);
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      mbar_init(cta.full_bar(st), 128);
+      mbar_init(cta.empty_bar(st), 2);
+    }
+    mbar_init(cta.q_full_bar(), 128);
+    mbar_init(cta.q_empty_bar(), 2);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dec<Cfg::kProducerRegs>();
+    cta.producer();
+  } else {
+    regs_inc<Cfg::kConsumerRegs>();
+    cta.consumer((threadIdx.x - 128) >> 7);
+  }
+#endif
+}
+
+}  // namespace sparse_mla::cuda::sm90
