@@ -1,11 +1,12 @@
 // The Hopper (sm_90a) decode kernel: same work split, plan, parameters and combine as the portable
 // kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
 //
-// One CTA owns 64 query rows and walks the 64-token tiles of its part. Three warpgroups:
-//   producer  (warps 0-3): gathers each tile's rows. FP8 rows go through registers and are
-//             dequantized once into a bf16 tile for all 64 rows; bf16/fp16 rows and the rope
-//             part are copied with cp.async. Also loads Q at the start of every pair.
-//   consumers (warps 4-11): consumer c computes S for tokens [32c, 32c + 32) of the tile over
+// One CTA owns 64 query rows and walks the 64-token tiles of its part. Four warpgroups:
+//   producers (warps 0-7): gather each tile's rows, 8 tokens a warp. FP8 rows go through
+//             registers and are dequantized once into a bf16 tile for all 64 rows; bf16/fp16
+//             rows and the rope part are copied with cp.async. Also load Q at the start of
+//             every pair. Eight warps keep enough rows in flight to cover the gather latency.
+//   consumers (warps 8-15): consumer c computes S for tokens [32c, 32c + 32) of the tile over
 //             the whole d_qk (wgmma m64n32, Q and K from shared memory), the two exchange their
 //             row maxima, write P (bf16) for their tokens into shared memory, and consumer c
 //             accumulates O[:, 256c, 256c + 256) += P V with wgmma m64n256 (V = the same tile,
@@ -46,9 +47,12 @@ struct Sm90Config {
   static constexpr int kDqk = Traits::kDqk;
   static constexpr int kBlocks = kDqk / 64;  // 128-byte column blocks of a row
   static constexpr int kStages = 2;
-  static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 136;
-  static constexpr int kConsumerRegs = 184;  // 136 * 128 + 184 * 256 = 168 * 384, the launch allocation
+  static constexpr int kProducerWarps = 8;
+  static constexpr int kProducerThreads = kProducerWarps * 32;
+  static constexpr int kTokensPerWarp = kT / kProducerWarps;
+  static constexpr int kThreads = kProducerThreads + 256;
+  static constexpr int kProducerRegs = 80;
+  static constexpr int kConsumerRegs = 176;  // 80 * 256 + 176 * 256 = 128 * 512 (the launch)
 
   static constexpr int kBlockBytes = kT * 128;  // one column block of a tile (kRows == kT)
   static constexpr int kQBytes = kRows * kDqk * 2;
@@ -60,7 +64,7 @@ struct Sm90Config {
   static constexpr int kPOff = kTileOff + kStages * kTileBytes;
   static constexpr int kMaxOff = kPOff + kPBytes;             // [2][kRows] float row maxima
   static constexpr int kSumOff = kMaxOff + 2 * kRows * 4;     // [2][kRows] float row sums
-  static constexpr int kMaskOff = kSumOff + 2 * kRows * 4;    // [kStages][4] uint16 valid bits
+  static constexpr int kMaskOff = kSumOff + 2 * kRows * 4;    // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
   static constexpr int kNumBars = 2 * kStages + 2;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
@@ -79,54 +83,60 @@ __device__ __forceinline__ uint32_t sw_off(int row, int chunk, int rows) {
 #if SPARSE_MLA_SM90_DEVICE
 
 // Walks the tiles of one part in order, as the portable kernel does: pairs from the part's
-// start to its end, and within a pair its tiles [k0, k1).
+// start to its end, and within a pair its tiles [k0, k1). Small on purpose: the producers keep
+// three of them live.
 struct TileCursor {
-  const DecodeParams* p;
-  PartStart end;
-  int pr;   // pair
+  int pr;   // pair; num_pairs when done
   int k;    // tile within the pair
   int k0;   // first tile of the pair in this part
   int k1;   // end tile of the pair in this part
   int seg;  // pairs entered before this one
-  PairInfo info;
+  int n_main, len;  // of the pair (PairInfo)
 
-  __device__ bool valid() const { return pr < p->num_pairs; }
+  __device__ bool valid(const DecodeParams& p) const { return pr < p.num_pairs; }
   __device__ bool first() const { return k == k0; }
   __device__ bool last() const { return k + 1 == k1; }
+  __device__ PairInfo info() const {
+    PairInfo i{};
+    i.n_main = n_main;
+    i.len = len;
+    return i;
+  }
 
   // Enters pair pr at tile kt, skipping pairs with no tile in this part.
-  __device__ void enter(int kt) {
-    while (pr < p->num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
-      info = p->pairs[pr];
+  __device__ void enter(const DecodeParams& p, PartStart end, int kt) {
+    while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
+      const PairInfo info = p.pairs[pr];
       const int ntiles = info.len > 0 ? (info.len + 63) / 64 : 1;
       k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
       if (kt < k1) {
         k = k0 = kt;
+        n_main = info.n_main;
+        len = info.len;
         return;
       }
       ++pr;
       kt = 0;
     }
-    pr = p->num_pairs;
+    pr = p.num_pairs;
   }
 
-  __device__ void init(const DecodeParams& params, int part) {
-    p = &params;
-    const PartStart begin = params.parts[part];
-    end = params.parts[part + 1];
+  __device__ void init(const DecodeParams& p, PartStart end) {
+    const PartStart begin = p.parts[blockIdx.x];
     pr = begin.pair;
     seg = 0;
-    enter(begin.tile);
+    enter(p, end, begin.tile);
   }
 
-  __device__ void advance() {
+  __device__ void advance(const DecodeParams& p, PartStart end) {
+    if (pr >= p.num_pairs) return;
     if (k + 1 < k1) {
       ++k;
       return;
     }
     ++pr;
     ++seg;
-    enter(0);
+    enter(p, end, 0);
   }
 };
 
@@ -149,9 +159,7 @@ struct Sm90Cta {
   __device__ uint8_t* p_smem() const { return smem + Cfg::kPOff; }
   __device__ float* max_smem() const { return reinterpret_cast<float*>(smem + Cfg::kMaxOff); }
   __device__ float* sum_smem() const { return reinterpret_cast<float*>(smem + Cfg::kSumOff); }
-  __device__ uint16_t* mask_smem(int st) const {
-    return reinterpret_cast<uint16_t*>(smem + Cfg::kMaskOff) + st * 4;
-  }
+  __device__ uint8_t* mask_smem(int st) const { return smem + Cfg::kMaskOff + st * 8; }
   __device__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff) + i; }
   __device__ uint64_t* full_bar(int st) const { return bar(st); }
   __device__ uint64_t* empty_bar(int st) const { return bar(Cfg::kStages + st); }
@@ -173,18 +181,18 @@ struct Sm90Cta {
     }
   }
 
-  // ---------------------------------------------------------------- producer (warps 0-3)
+  // ---------------------------------------------------------------- producers (warps 0-7)
 
   // Raw slot / page value of token `tok` of the cursor's tile (-1 past the end).
   __device__ int raw_token(const TileCursor& c, int tok) const {
-    if (!c.valid()) return -1;
+    if (!c.valid(p)) return -1;
     int i, sq;
     pair_coords(c.pr, &i, &sq);
-    return smxx::decode::load_raw(p, c.info, i, sq, c.k * kT + tok);
+    return smxx::decode::load_raw(p, c.info(), i, sq, c.k * kT + tok);
   }
   __device__ RowRef resolve_token(const TileCursor& c, int tok, int raw) const {
-    if (!c.valid()) return RowRef{nullptr, nullptr};
-    return smxx::decode::resolve<F>(p, c.info, grp, c.k * kT + tok, raw);
+    if (!c.valid(p)) return RowRef{nullptr, nullptr};
+    return smxx::decode::resolve<F>(p, c.info(), grp, c.k * kT + tok, raw);
   }
   // The token's dequantization scales: MODEL1 8 UE8M0 bytes, V32 4 fp32 (in a uint4).
   __device__ uint4 load_scales(const RowRef& r) const {
@@ -203,7 +211,7 @@ struct Sm90Cta {
   __device__ void load_q(const TileCursor& c, int tid) {
     int i, sq;
     pair_coords(c.pr, &i, &sq);
-    for (int u = tid; u < kRows * kChunks; u += 128) {
+    for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
       const int r = u / kChunks, ch = u % kChunks;
       uint8_t* dst = q_smem() + sw_off(r, ch, kRows);
       if (r < nrows) {
@@ -220,24 +228,26 @@ struct Sm90Cta {
   __device__ void producer() {
     const int tid = threadIdx.x;
     const int lane = tid & 31, pw = tid >> 5;
-    const int tok = pw * 16 + (lane & 15);  // token of the tile resolved by this lane (lanes < 16)
+    constexpr int kW = Cfg::kTokensPerWarp;
+    const int tok = pw * kW + lane % kW;  // token of the tile resolved by this lane (lanes < kW)
+    const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor cur;
-    cur.init(p, blockIdx.x);
+    cur.init(p, end);
     TileCursor nxt = cur;
-    if (nxt.valid()) nxt.advance();
-    RowRef ref = lane < 16 ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
+    nxt.advance(p, end);
+    RowRef ref = lane < kW ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
     uint4 scales = load_scales(ref);
-    int raw_next = lane < 16 ? raw_token(nxt, tok) : -1;
+    int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
 
-    for (int it = 0; cur.valid(); ++it) {
+    for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
 
-      // FP8 rows: issue the loads of all 16 tokens of this warp before anything waits.
-      uint4 data[16];
+      // FP8 rows: issue the loads of all tokens of this warp before anything waits.
+      uint4 data[kW];
       if constexpr (Tr::kFP8) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kW; ++j) {
           const auto row = reinterpret_cast<const uint8_t*>(
               __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
           data[j] = make_uint4(0, 0, 0, 0);
@@ -249,11 +259,14 @@ struct Sm90Cta {
 
       // Rows and scales of the next tile, raw values of the one after.
       TileCursor after = nxt;
-      if (after.valid()) after.advance();
+      after.advance(p, end);
       const RowRef ref_next =
-          lane < 16 ? resolve_token(nxt, tok, raw_next) : RowRef{nullptr, nullptr};
+          lane < kW ? resolve_token(nxt, tok, raw_next) : RowRef{nullptr, nullptr};
+      // The next tile's rows start moving into L2 now: its loads, one iteration from now, then
+      // wait for L2 instead of DRAM.
+      if (ref_next.row != nullptr) prefetch_l2(ref_next.row, Tr::kRowBytes);
       const uint4 scales_next = load_scales(ref_next);
-      raw_next = lane < 16 ? raw_token(after, tok) : -1;
+      raw_next = lane < kW ? raw_token(after, tok) : -1;
 
       if (cur.first()) {
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
@@ -264,11 +277,11 @@ struct Sm90Cta {
 
       mbar_wait(empty_bar(st), phase ^ 1);
       uint8_t* tile = tile_smem(st);
-      const uint32_t valid = __ballot_sync(0xffffffffu, lane < 16 && ref.row != nullptr) & 0xffffu;
-      if (lane == 0) mask_smem(st)[pw] = static_cast<uint16_t>(valid);
+      const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
+      if (lane == 0) mask_smem(st)[pw] = static_cast<uint8_t>(valid);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int t = pw * 16 + j;
+      for (int j = 0; j < kW; ++j) {
+        const int t = pw * kW + j;
         const auto row = reinterpret_cast<const uint8_t*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
         if constexpr (Tr::kFP8) {
@@ -337,12 +350,13 @@ struct Sm90Cta {
     const uint32_t p_addr = ptx::smem_addr(p_smem());
     float* row_max = max_smem();
 
+    const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor cur;
-    cur.init(p, blockIdx.x);
+    cur.init(p, end);
     float o[128];
     float m[2], l[2];
     int lim[2];
-    for (int it = 0; cur.valid(); ++it) {
+    for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
       if (cur.first()) {
@@ -353,7 +367,7 @@ struct Sm90Cta {
           m[rr] = -INFINITY;
           l[rr] = 0.f;
           lim[rr] = 0x7fffffff;
-          if (p.dense && p.causal) lim[rr] = cur.info.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
+          if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
         }
         mbar_wait(q_full_bar(), cur.seg & 1);
       }
@@ -375,9 +389,7 @@ struct Sm90Cta {
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
       // Mask and scale to base 2, then the row maxima of both consumers.
-      const uint16_t* mk = mask_smem(st);
-      const uint32_t vmask = c == 0 ? (mk[0] | (static_cast<uint32_t>(mk[1]) << 16))
-                                    : (mk[2] | (static_cast<uint32_t>(mk[3]) << 16));
+      const uint32_t vmask = reinterpret_cast<const uint32_t*>(mask_smem(st))[c];
       const int pos0 = cur.k * kT + c * 32;
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -437,17 +449,18 @@ struct Sm90Cta {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kT / 16; ++kk) {
-        wgmma_m64n256_kmn<kHalf>(
-            o, sw128_desc(p_addr + kk * 32, 0, 1024),
-            sw128_desc(t_addr + c * 4 * Cfg::kBlockBytes + kk * 16 * 128, Cfg::kBlockBytes, 1024),
-            1);
+        const uint64_t pa = sw128_desc(p_addr + kk * 32, 0, 1024);
+        const uint32_t v = t_addr + c * 4 * Cfg::kBlockBytes + kk * 16 * 128;
+        wgmma_m64n128_kmn<kHalf, 0>(o, pa, sw128_desc(v, Cfg::kBlockBytes, 1024), 1);
+        wgmma_m64n128_kmn<kHalf, 64>(
+            o, pa, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), 1);
       }
       wgmma_commit();
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
 
       if (cur.last()) epilogue(cur, c, wt, r_lo, o, m, l);
-      cur.advance();
+      cur.advance(p, end);
     }
   }
 
@@ -467,7 +480,7 @@ struct Sm90Cta {
       const int r = r_lo + 8 * rr;
       l[rr] = row_sum[r] + row_sum[kRows + r];  // same order in both consumers
     }
-    const PairInfo& info = cur.info;
+    const PairInfo info = p.pairs[cur.pr];
     int i, sq;
     pair_coords(cur.pr, &i, &sq);
     if (info.nsplit <= 1) {
@@ -542,20 +555,20 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
   cta.nrows = min(Cfg::kRows, p.rows_per_group - cta.row0);
   if (threadIdx.x == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
-      mbar_init(cta.full_bar(st), 128);
+      mbar_init(cta.full_bar(st), Cfg::kProducerThreads);
       mbar_init(cta.empty_bar(st), 2);
     }
-    mbar_init(cta.q_full_bar(), 128);
+    mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);
     mbar_init(cta.q_empty_bar(), 2);
     fence_barrier_init();
   }
   __syncthreads();
-  if (threadIdx.x < 128) {
+  if (threadIdx.x < Cfg::kProducerThreads) {
     regs_dec<Cfg::kProducerRegs>();
     cta.producer();
   } else {
     regs_inc<Cfg::kConsumerRegs>();
-    cta.consumer((threadIdx.x - 128) >> 7);
+    cta.consumer((threadIdx.x - Cfg::kProducerThreads) >> 7);
   }
 #endif
 }
