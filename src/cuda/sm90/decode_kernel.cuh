@@ -2,15 +2,17 @@
 // kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
 //
 // One CTA owns 64 query rows and walks the 64-token tiles of its part. Four warpgroups:
-//   producers (warps 0-7): gather each tile's rows, 8 tokens a warp. FP8 rows go through
-//             registers and are dequantized once into a bf16 tile for all 64 rows; bf16/fp16
-//             rows and the rope part are copied with cp.async. Also load Q at the start of
-//             every pair. Eight warps keep enough rows in flight to cover the gather latency.
-//   consumers (warps 8-15): consumer c computes S for tokens [32c, 32c + 32) of the tile over
-//             the whole d_qk (wgmma m64n32, Q and K from shared memory), the two exchange their
-//             row maxima, write P (bf16) for their tokens into shared memory, and consumer c
-//             accumulates O[:, 256c, 256c + 256) += P V with wgmma m64n256 (V = the same tile,
-//             read MN-major). O stays in registers (128 fp32 per thread).
+//   producers (warps 0-7): gather each tile's rows, kT / 8 tokens a warp, and write them as a bf16
+//             tile for all 64 rows. MODEL1: raw rows land with cp.async in a ring of two raw
+//             stages, far ahead of their use, and are dequantized from there (the gather latency
+//             stays off the producers' path). V32: rows go through registers (no shared memory
+//             left for a ring at d_qk 576). bf16/fp16: cp.async straight into the tile. They
+//             also load Q at the start of every pair.
+//   consumers (warps 8-15): consumer c computes S for tokens [c kT/2, (c+1) kT/2) of the tile
+//             over the whole d_qk (wgmma m64n24/32, Q and K from shared memory), the two
+//             exchange their row maxima, write P (bf16) for their tokens into shared memory, and
+//             consumer c accumulates O[:, 256c, 256c + 256) += P V (wgmma m64n128 x 2; V = the
+//             same tile, read MN-major). O stays in registers (128 fp32 per thread).
 // Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
 // between the consumers per tile (row maxima, then P).
 //
@@ -43,10 +45,14 @@ template <Fmt F>
 struct Sm90Config {
   using Traits = FormatTraits<F>;
   static constexpr int kRows = 64;  // query rows per CTA (the wgmma M)
-  static constexpr int kT = 64;     // tokens per tile
+  // MODEL1 stages its raw rows (kStaged): 48-token tiles make room for the ring next to two
+  // bf16 stages and Q in the 227 KB of shared memory.
+  static constexpr bool kStaged = F == Fmt::kModel1;
+  static constexpr int kT = kStaged ? 48 : 64;  // tokens per tile
   static constexpr int kDqk = Traits::kDqk;
   static constexpr int kBlocks = kDqk / 64;  // 128-byte column blocks of a row
   static constexpr int kStages = 2;
+  static constexpr int kRawStages = kStaged ? 2 : 0;
   static constexpr int kProducerWarps = 8;
   static constexpr int kProducerThreads = kProducerWarps * 32;
   static constexpr int kTokensPerWarp = kT / kProducerWarps;
@@ -54,15 +60,20 @@ struct Sm90Config {
   static constexpr int kProducerRegs = 80;
   static constexpr int kConsumerRegs = 176;  // 80 * 256 + 176 * 256 = 128 * 512 (the launch)
 
-  static constexpr int kBlockBytes = kT * 128;  // one column block of a tile (kRows == kT)
+  static constexpr int kBlockBytes = kT * 128;    // one 64-dim column block of a tile
+  static constexpr int kQBlockBytes = kRows * 128;  // ... of Q
   static constexpr int kQBytes = kRows * kDqk * 2;
   static constexpr int kTileBytes = kT * kDqk * 2;
-  static constexpr int kPBytes = kRows * kT * 2;
+  static constexpr int kPBytes = kRows * 128;  // P rows of 64 tokens (kT used)
+  static constexpr int kRawRowBytes = kModel1RowBytes;            // 576
+  static constexpr int kRawScaleOff = kT * kRawRowBytes;          // then 8 scale bytes a token
+  static constexpr int kRawBytes = kRawScaleOff + kT * 8 + 16;    // + [8] uint8 valid bits
 
   static constexpr int kQOff = 0;
   static constexpr int kTileOff = kQOff + kQBytes;
   static constexpr int kPOff = kTileOff + kStages * kTileBytes;
-  static constexpr int kMaxOff = kPOff + kPBytes;             // [2][kRows] float row maxima
+  static constexpr int kRawOff = kPOff + kPBytes;
+  static constexpr int kMaxOff = kRawOff + kRawStages * kRawBytes;  // [2][kRows] row maxima
   static constexpr int kSumOff = kMaxOff + 2 * kRows * 4;     // [2][kRows] float row sums
   static constexpr int kMaskOff = kSumOff + 2 * kRows * 4;    // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
@@ -70,8 +81,10 @@ struct Sm90Config {
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
   static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
 
-  static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0 && kPBytes % 1024 == 0,
-                "swizzle atoms stay 1024-byte aligned");
+  static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0 && kPBytes % 1024 == 0 &&
+                    (kT / 2) % 8 == 0,
+                "swizzle atoms (8 rows, 1024 bytes) stay aligned, also at each consumer's half");
+  static_assert(kRawBytes % 16 == 0, "raw stages keep 16-byte alignment");
 };
 
 // Byte offset of 16-byte chunk `chunk` (of a d-wide row) of row `row` in a swizzled matrix of
@@ -85,6 +98,7 @@ __device__ __forceinline__ uint32_t sw_off(int row, int chunk, int rows) {
 // Walks the tiles of one part in order, as the portable kernel does: pairs from the part's
 // start to its end, and within a pair its tiles [k0, k1). Small on purpose: the producers keep
 // three of them live.
+template <int kT>
 struct TileCursor {
   int pr;   // pair; num_pairs when done
   int k;    // tile within the pair
@@ -107,7 +121,7 @@ struct TileCursor {
   __device__ void enter(const DecodeParams& p, PartStart end, int kt) {
     while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
       const PairInfo info = p.pairs[pr];
-      const int ntiles = info.len > 0 ? (info.len + 63) / 64 : 1;
+      const int ntiles = info.len > 0 ? (info.len + kT - 1) / kT : 1;
       k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
       if (kt < k1) {
         k = k0 = kt;
@@ -146,6 +160,7 @@ struct Sm90Cta {
   using Tr = FormatTraits<F>;
   static constexpr bool kHalf = Tr::kFP16;
   static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
+  static constexpr int kN = kT / 2;  // tokens of a tile per consumer
   static constexpr int kChunks = Cfg::kDqk / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kRopeSrc = F == Fmt::kModel1 ? 28 : 33;  // rope chunks in a stored FP8 row
   static constexpr int kRopeDst = F == Fmt::kModel1 ? 56 : 64;  // ... and in the bf16 row
@@ -184,13 +199,13 @@ struct Sm90Cta {
   // ---------------------------------------------------------------- producers (warps 0-7)
 
   // Raw slot / page value of token `tok` of the cursor's tile (-1 past the end).
-  __device__ int raw_token(const TileCursor& c, int tok) const {
+  __device__ int raw_token(const TileCursor<kT>& c, int tok) const {
     if (!c.valid(p)) return -1;
     int i, sq;
     pair_coords(c.pr, &i, &sq);
     return smxx::decode::load_raw(p, c.info(), i, sq, c.k * kT + tok);
   }
-  __device__ RowRef resolve_token(const TileCursor& c, int tok, int raw) const {
+  __device__ RowRef resolve_token(const TileCursor<kT>& c, int tok, int raw) const {
     if (!c.valid(p)) return RowRef{nullptr, nullptr};
     return smxx::decode::resolve<F>(p, c.info(), grp, c.k * kT + tok, raw);
   }
@@ -208,7 +223,7 @@ struct Sm90Cta {
     return v;
   }
 
-  __device__ void load_q(const TileCursor& c, int tid) {
+  __device__ void load_q(const TileCursor<kT>& c, int tid) {
     int i, sq;
     pair_coords(c.pr, &i, &sq);
     for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
@@ -231,9 +246,9 @@ struct Sm90Cta {
     constexpr int kW = Cfg::kTokensPerWarp;
     const int tok = pw * kW + lane % kW;  // token of the tile resolved by this lane (lanes < kW)
     const PartStart end = p.parts[blockIdx.x + 1];
-    TileCursor cur;
+    TileCursor<kT> cur;
     cur.init(p, end);
-    TileCursor nxt = cur;
+    TileCursor<kT> nxt = cur;
     nxt.advance(p, end);
     RowRef ref = lane < kW ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
     uint4 scales = load_scales(ref);
@@ -258,7 +273,7 @@ struct Sm90Cta {
       }
 
       // Rows and scales of the next tile, raw values of the one after.
-      TileCursor after = nxt;
+      TileCursor<kT> after = nxt;
       after.advance(p, end);
       const RowRef ref_next =
           lane < kW ? resolve_token(nxt, tok, raw_next) : RowRef{nullptr, nullptr};
@@ -340,7 +355,113 @@ struct Sm90Cta {
     ptx::cp_async_wait<0>();
   }
 
-  // ---------------------------------------------------------------- consumers (warps 4-11)
+  // MODEL1 producers: the raw rows and scales of tile u land in raw stage u % kRawStages (one
+  // cp.async group per tile); each warp copies, and later converts, its own kW tokens.
+  __device__ uint8_t* raw_smem(int rs) const { return smem + Cfg::kRawOff + rs * Cfg::kRawBytes; }
+
+  __device__ void issue_raw(int rs, const RowRef& ref, int lane, int pw) {
+    constexpr int kW = Cfg::kTokensPerWarp;
+    uint8_t* raw = raw_smem(rs);
+    const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
+    if (lane == 0) raw[Cfg::kRawScaleOff + kT * 8 + pw] = static_cast<uint8_t>(valid);
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      const int t = pw * kW + j;
+      const auto row = reinterpret_cast<const uint8_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+      uint8_t* dst = raw + t * Cfg::kRawRowBytes;
+#pragma unroll
+      for (int ch = lane; ch < Cfg::kRawRowBytes / 16; ch += 32) {
+        if (row != nullptr) {
+          ptx::cp_async_16(dst + ch * 16, row + ch * 16);
+        } else {
+          *reinterpret_cast<uint4*>(dst + ch * 16) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    if (lane < kW) {
+      uint8_t* dst = raw + Cfg::kRawScaleOff + (pw * kW + lane) * 8;
+      if (ref.row != nullptr) {
+        ptx::cp_async_8(dst, ref.scale);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
+      }
+    }
+  }
+
+  __device__ void convert_raw(int rs, int st, int lane, int pw) {
+    constexpr int kW = Cfg::kTokensPerWarp;
+    const uint8_t* raw = raw_smem(rs);
+    uint8_t* tile = tile_smem(st);
+    if (lane == 0) mask_smem(st)[pw] = raw[Cfg::kRawScaleOff + kT * 8 + pw];
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      const int t = pw * kW + j;
+      const uint8_t* src = raw + t * Cfg::kRawRowBytes;
+      if (lane < Tr::kFP8Chunks) {
+        const float scale = fmt::ue8m0_to_float(raw[Cfg::kRawScaleOff + t * 8 + (lane >> 2)]);
+        uint4 lo, hi;
+        e4m3x16_to_bf16(*reinterpret_cast<const uint4*>(src + lane * 16), scale, lo, hi);
+        const int swap = (lane >> 2) & 1;  // neighbouring blocks store in opposite order
+        *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + swap, kT)) = swap ? hi : lo;
+        *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + 1 - swap, kT)) = swap ? lo : hi;
+      } else {
+        // lanes 28-31: the 8 rope chunks (stored chunks 28-35 -> bf16 chunks 56-63)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ch = lane + 4 * h;
+          *reinterpret_cast<uint4*>(tile + sw_off(t, ch + 28, kT)) =
+              *reinterpret_cast<const uint4*>(src + ch * 16);
+        }
+      }
+    }
+  }
+
+  __device__ void producer_staged() {
+    constexpr int kW = Cfg::kTokensPerWarp;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, pw = tid >> 5;
+    const int tok = pw * kW + lane % kW;
+    const PartStart end = p.parts[blockIdx.x + 1];
+    TileCursor<kT> cur;  // the tile converted next
+    cur.init(p, end);
+    TileCursor<kT> ahead = cur;  // the tile whose raw rows are issued next
+    int raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
+#pragma unroll
+    for (int u = 0; u < Cfg::kRawStages; ++u) {
+      const RowRef ref = lane < kW ? resolve_token(ahead, tok, raw_ahead) : RowRef{nullptr, nullptr};
+      ahead.advance(p, end);
+      raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
+      issue_raw(u, ref, lane, pw);
+      ptx::cp_async_commit();
+    }
+    for (int it = 0; cur.valid(p); ++it) {
+      const int st = it % Cfg::kStages;
+      const int rs = it % Cfg::kRawStages;
+      if (cur.first()) {
+        mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
+        load_q(cur, tid);
+        mbar_arrive_after_cp_async(q_full_bar());
+        mbar_arrive(q_full_bar());
+      }
+      ptx::cp_async_wait<Cfg::kRawStages - 1>();  // this thread's copies of tile `it` landed
+      __syncwarp();                                // ... and those of the other lanes
+      mbar_wait(empty_bar(st), ((it / Cfg::kStages) & 1) ^ 1);
+      convert_raw(rs, st, lane, pw);
+      fence_proxy_async();
+      mbar_arrive(full_bar(st));
+      __syncwarp();  // every lane has read raw stage rs before it is refilled
+      const RowRef ref = lane < kW ? resolve_token(ahead, tok, raw_ahead) : RowRef{nullptr, nullptr};
+      ahead.advance(p, end);
+      raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
+      issue_raw(rs, ref, lane, pw);
+      ptx::cp_async_commit();
+      cur.advance(p, end);
+    }
+    ptx::cp_async_wait<0>();
+  }
+
+  // ---------------------------------------------------------------- consumers (warps 8-15)
 
   __device__ void consumer(int c) {
     const int wt = threadIdx.x & 127;  // thread within the consumer warpgroup
@@ -351,7 +472,7 @@ struct Sm90Cta {
     float* row_max = max_smem();
 
     const PartStart end = p.parts[blockIdx.x + 1];
-    TileCursor cur;
+    TileCursor<kT> cur;
     cur.init(p, end);
     float o[128];
     float m[2], l[2];
@@ -375,25 +496,31 @@ struct Sm90Cta {
       fence_proxy_async();
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
 
-      // S = Q K^T for this consumer's 32 tokens.
-      float s[16];
+      // S = Q K^T for this consumer's kN tokens.
+      float s[kN / 2];
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
-        const uint32_t off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
-        wgmma_m64n32_kk<kHalf>(s, sw128_desc(q_addr + off, 0, 1024),
-                               sw128_desc(t_addr + off + c * 32 * 128, 0, 1024), ks > 0);
+        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
+        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kN * 128;
+        wgmma_m64nk_kk<kHalf, kN>(s, sw128_desc(q_addr + q_off, 0, 1024),
+                                  sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
       // Mask and scale to base 2, then the row maxima of both consumers.
-      const uint32_t vmask = reinterpret_cast<const uint32_t*>(mask_smem(st))[c];
-      const int pos0 = cur.k * kT + c * 32;
+      const uint8_t* mk = mask_smem(st);
+      uint32_t vmask = 0;  // producer warps c*4 .. c*4+3 resolved this consumer's tokens
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        vmask |= static_cast<uint32_t>(mk[c * 4 + w]) << (w * Cfg::kTokensPerWarp);
+      }
+      const int pos0 = cur.k * kT + c * kN;
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
@@ -421,7 +548,7 @@ struct Sm90Cta {
       }
       float sum[2] = {0.f, 0.f};
 #pragma unroll
-      for (int e = 0; e < 16; ++e) {
+      for (int e = 0; e < kN / 2; ++e) {
         s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
         sum[(e >> 1) & 1] += s[e];
       }
@@ -430,14 +557,14 @@ struct Sm90Cta {
 #pragma unroll
       for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
 
-      // P (16-bit) into shared memory: row r, tokens [32c, 32c + 32).
+      // P (16-bit) into shared memory: row r, tokens [c kN, (c + 1) kN).
       uint8_t* ps = p_smem();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int r = r_lo + 8 * rr;
-          const int chunk = c * 4 + j;
+          const int chunk = c * (kN / 8) + j;
           *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
               ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
         }
@@ -464,7 +591,7 @@ struct Sm90Cta {
     }
   }
 
-  __device__ void epilogue(const TileCursor& cur, int c, int wt, int r_lo, float (&o)[128],
+  __device__ void epilogue(const TileCursor<kT>& cur, int c, int wt, int r_lo, float (&o)[128],
                            const float (&m)[2], float (&l)[2]) {
     const int lane = wt & 31;
     float* row_sum = sum_smem();
@@ -565,7 +692,11 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
   __syncthreads();
   if (threadIdx.x < Cfg::kProducerThreads) {
     regs_dec<Cfg::kProducerRegs>();
-    cta.producer();
+    if constexpr (Cfg::kStaged) {
+      cta.producer_staged();
+    } else {
+      cta.producer();
+    }
   } else {
     regs_inc<Cfg::kConsumerRegs>();
     cta.consumer((threadIdx.x - Cfg::kProducerThreads) >> 7);

@@ -91,11 +91,25 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr, uint32_t
   return d;
 }
 
-// D[64 x 32] (fp32) += A[64 x 16] * B[16 x 32], A and B from shared memory, both K-major.
-// accumulate == 0 overwrites D.
-template <bool kHalf>
-__device__ __forceinline__ void wgmma_m64n32_kk(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (kHalf) {
+// D[64 x N] (fp32) += A[64 x 16] * B[16 x N] for N = 24 or 32, A and B from shared memory,
+// both K-major. accumulate == 0 overwrites D.
+template <bool kHalf, int N>
+__device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, uint64_t b,
+                                              int accumulate) {
+  static_assert(N == 24 || N == 32, "the S tile widths of the decode kernel");
+  if constexpr (N == 24 && kHalf) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else if constexpr (N == 24) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else if constexpr (kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
