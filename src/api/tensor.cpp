@@ -33,6 +33,15 @@ std::string device_name(Device device) {
   return "cuda:" + std::to_string(device.index);
 }
 
+// a * b clamped to the int64 range: default strides of absurd shapes saturate (validation then
+// rejects the view) instead of overflowing.
+static int64_t saturating_mul(int64_t a, int64_t b) {
+  const __int128 p = static_cast<__int128>(a) * b;
+  if (p > INT64_MAX) return INT64_MAX;
+  if (p < INT64_MIN) return INT64_MIN;
+  return static_cast<int64_t>(p);
+}
+
 TensorView TensorView::contiguous(void* data, DType dtype, Device device,
                                   std::initializer_list<int64_t> shape) {
   TensorView t;
@@ -48,7 +57,7 @@ TensorView TensorView::contiguous(void* data, DType dtype, Device device,
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
     t.strides[d] = stride;
-    stride *= t.shape[d];
+    stride = saturating_mul(stride, t.shape[d]);
   }
   return t;
 }
@@ -82,7 +91,7 @@ bool TensorView::is_contiguous() const {
   int64_t stride = 1;
   for (int d = clamped_rank(ndim) - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != stride) return false;
-    stride *= shape[d];
+    stride = saturating_mul(stride, shape[d]);
   }
   return true;
 }

@@ -310,5 +310,24 @@ TEST(ErrorCatalogue, CacheFromTensor) {
                {"rank", StatusCode::kInvalidArgument, "k_cache: rank 3, expected 4"});
 }
 
+// Default strides of absurd extents saturate instead of overflowing, and validation rejects the
+// view with a message (the buffer behind it is never touched).
+TEST(ErrorCatalogue, HugeExtentsSaturate) {
+  const int64_t huge = int64_t{1} << 40;
+  const TensorView t =
+      TensorView::contiguous(nullptr, DType::kBFloat16, kCPU, {huge, huge, huge, 512});
+  EXPECT_EQ(t.strides[3], 1);
+  EXPECT_EQ(t.strides[2], 512);
+  EXPECT_EQ(t.strides[1], huge * 512);
+  EXPECT_EQ(t.strides[0], INT64_MAX);
+  EXPECT_EQ(t.numel(), INT64_MAX);
+
+  SparseFixture f;
+  f.args.q = TensorView::contiguous(f.q.data(), DType::kBFloat16, kCPU, {huge, huge, huge, 512});
+  const Status st = sparse_decode(f.args, Workspace{}, Options{});
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+}
+
 }  // namespace
 }  // namespace sparse_mla
