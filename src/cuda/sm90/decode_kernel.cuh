@@ -50,7 +50,6 @@ struct Sm90Config {
   static constexpr bool kStaged = F == Fmt::kModel1;
   static constexpr int kT = kStaged ? 48 : 64;  // tokens per tile
   static constexpr int kDqk = Traits::kDqk;
-  static constexpr int kBlocks = kDqk / 64;  // 128-byte column blocks of a row
   static constexpr int kStages = 2;
   static constexpr int kRawStages = kStaged ? 2 : 0;
   static constexpr int kProducerWarps = 8;
