@@ -1,39 +1,36 @@
 // CPU KV-cache tools: quantize-and-store, dequantize, page repack. Byte layouts and the
 // quantization recipe follow spec section 2 through src/kv/format.h, so the bytes written here
 // are identical to what the CUDA backend and the engines produce.
+//
+// quantize_store and dequantize work a row at a time through a stack buffer: the row loops are
+// branch-free (src/cpu/kv_convert.h) so the compiler vectorizes them, once for the baseline ISA
+// and once for AVX2, picked at run time. Rows are split evenly over the OpenMP threads; small
+// calls stay on the calling thread.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include <omp.h>
+
+#include "src/cpu/attention_common.h"
 #include "src/cpu/cpu_backend.h"
+#include "src/cpu/kv_convert.h"
 #include "src/kv/format.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define SPARSE_MLA_KV_X86 1
+#else
+#define SPARSE_MLA_KV_X86 0
+#endif
 
 namespace sparse_mla::cpu {
 namespace {
 
-// Reads element (row, col) of a rank-2 view of bf16/fp16/float32 values as float.
-float load_value(const TensorView& t, int64_t row, int64_t col) {
-  const int64_t off = row * t.strides[0] + col * t.strides[1];
-  switch (t.dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(t.data)[off];
-    case DType::kBFloat16:
-      return fmt::bf16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-    case DType::kFloat16:
-      return fmt::fp16_to_float(static_cast<const uint16_t*>(t.data)[off]);
-    default:
-      return 0.f;
-  }
-}
+constexpr int kMaxDims = kDenseHeadDim;  // the widest row of any format (576)
 
-// bf16 bits of element (row, col): exact for bf16 sources, RNE otherwise.
-uint16_t load_bf16(const TensorView& t, int64_t row, int64_t col) {
-  if (t.dtype == DType::kBFloat16) {
-    return static_cast<const uint16_t*>(t.data)[row * t.strides[0] + col * t.strides[1]];
-  }
-  return fmt::float_to_bf16(load_value(t, row, col));
-}
+// Below this many row elements a call runs on the calling thread: waking the team costs more
+// than the work, and on a busy machine a descheduled worker can hold the join for a time slice.
+constexpr int64_t kMinParallelElements = int64_t{1} << 17;
 
 int32_t load_index(const TensorView& t, int64_t i) {
   return static_cast<const int32_t*>(t.data)[i * t.strides[0]];
@@ -43,112 +40,242 @@ int32_t load_index2(const TensorView& t, int64_t i, int64_t j) {
   return static_cast<const int32_t*>(t.data)[i * t.strides[0] + j * t.strides[1]];
 }
 
-void store_bf16(uint8_t* dst, uint16_t bits) { std::memcpy(dst, &bits, 2); }
-
 uint8_t* page_base(const KVCache& kv, int64_t page) {
   return static_cast<uint8_t*>(kv.data) + page * kv.page_stride;
 }
 
-// Quantizes `count` values (a scale tile) of row `row` starting at column `col0`; returns the
-// scale exponent and writes the e4m3 codes to dst.
-int quantize_tile(const TensorView& src, int64_t row, int64_t col0, int count, uint8_t* dst) {
-  float vals[kV32ScaleTile];
-  float amax = 0.f;
-  for (int j = 0; j < count; ++j) {
-    vals[j] = load_value(src, row, col0 + j);
-    // fmax ignores NaN, so a NaN element does not poison the whole tile's scale.
-    amax = std::fmax(amax, std::fabs(vals[j]));
+// Splits rows [0, n) evenly over the threads (one contiguous range each); fn(begin, end).
+template <typename Fn>
+void for_row_ranges(int64_t n, int d, const Fn& fn) {
+  const bool parallel = n * d >= kMinParallelElements && omp_get_max_threads() > 1;
+#pragma omp parallel if (parallel)
+  {
+    const int64_t nt = omp_get_num_threads();
+    const int64_t tid = omp_get_thread_num();
+    fn(n * tid / nt, n * (tid + 1) / nt);
   }
-  const int e = fmt::scale_exponent(amax);
-  const float scale = fmt::exp2i(e);
-  for (int j = 0; j < count; ++j) dst[j] = fmt::float_to_e4m3(vals[j] / scale);
+}
+
+// ---- quantize_store ----
+
+// Row `row` of src as fp32 in x[0, d), and its rope part as bf16 bits: exact for bf16 sources,
+// nearest even otherwise.
+SPARSE_MLA_KV_INLINE void load_src_row(const TensorView& src, int64_t row, int d, int nope,
+                                       float* x, uint16_t* rope) {
+  const int64_t cs = src.strides[1];
+  const int64_t off = row * src.strides[0];
+  if (src.dtype == DType::kFloat32) {
+    const float* p = static_cast<const float*>(src.data) + off;
+    if (cs == 1) {
+      std::memcpy(x, p, sizeof(float) * d);
+    } else {
+      for (int j = 0; j < d; ++j) x[j] = p[j * cs];
+    }
+    for (int j = 0; j < kRopeDims; ++j) rope[j] = kv::bf16_from_float(x[nope + j]);
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(src.data) + off;
+  if (src.dtype == DType::kBFloat16) {
+    if (cs == 1) {
+      for (int j = 0; j < d; ++j) x[j] = fmt::bf16_to_float(p[j]);
+      std::memcpy(rope, p + nope, sizeof(uint16_t) * kRopeDims);
+    } else {
+      for (int j = 0; j < d; ++j) x[j] = fmt::bf16_to_float(p[j * cs]);
+      for (int j = 0; j < kRopeDims; ++j) rope[j] = p[(nope + j) * cs];
+    }
+    return;
+  }
+  for (int j = 0; j < d; ++j) x[j] = kv::fp16_to_float(p[j * cs]);  // kFloat16
+  for (int j = 0; j < kRopeDims; ++j) rope[j] = kv::bf16_from_float(x[nope + j]);
+}
+
+// Quantizes one scale tile: returns the scale exponent and writes the e4m3 codes to dst.
+template <int kCount>
+SPARSE_MLA_KV_INLINE int quantize_tile(const float* x, uint8_t* dst) {
+  // amax over the non-NaN |x| (a NaN must not poison the tile's scale): non-negative floats order
+  // like their bits, so this is an integer max.
+  uint32_t amax = 0;
+  for (int j = 0; j < kCount; ++j) {
+    const uint32_t a = fmt::float_bits(x[j]) & 0x7fffffffu;
+    amax = std::max(amax, kv::select(a > 0x7f800000u, 0u, a));
+  }
+  const int e = fmt::scale_exponent(fmt::bits_float(amax));
+  // x / 2^e == x * 2^-e exactly (same real value, one rounding); 2^-127 is a subnormal.
+  const float inv = e == 127 ? fmt::bits_float(0x00400000u) : fmt::exp2i(-e);
+  for (int j = 0; j < kCount; ++j) dst[j] = kv::e4m3_from_float(x[j] * inv);
   return e;
 }
 
-void quantize_model1(const TensorView& src, int64_t row, uint8_t* base, int64_t page_size,
-                     int64_t t) {
-  uint8_t* data = base + fmt::model1_row_offset(t);
-  uint8_t* scales = base + fmt::model1_scale_offset(page_size, t);
-  for (int tile = 0; tile < kModel1NopeDims / kModel1ScaleTile; ++tile) {
-    const int e = quantize_tile(src, row, tile * kModel1ScaleTile, kModel1ScaleTile,
-                                data + tile * kModel1ScaleTile);
-    scales[tile] = static_cast<uint8_t>(e + 127);
-  }
-  scales[kModel1ScaleBytes - 1] = 0;
-  for (int j = 0; j < kRopeDims; ++j) {
-    store_bf16(data + kModel1NopeDims + 2 * j, load_bf16(src, row, kModel1NopeDims + j));
+SPARSE_MLA_KV_INLINE void quantize_range(const QuantizeStoreArgs& args, int64_t begin,
+                                         int64_t end) {
+  const KVCache& kv = args.kv;
+  const int64_t num_slots = kv.num_slots();
+  const bool m1 = kv.format == KVFormat::kModel1;
+  const int nope = m1 ? kModel1NopeDims : kV32NopeDims;
+  alignas(64) float x[kMaxDims];
+  alignas(64) uint16_t rope[kRopeDims];
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t slot = load_index(args.slots, i);
+    if (slot < 0 || slot >= num_slots) continue;  // -1 skips; out of range is never written
+    const int64_t t = slot % kv.page_size;
+    uint8_t* base = page_base(kv, slot / kv.page_size);
+    load_src_row(args.src, i, nope + kRopeDims, nope, x, rope);
+    if (m1) {
+      uint8_t* data = base + fmt::model1_row_offset(t);
+      uint8_t* scales = base + fmt::model1_scale_offset(kv.page_size, t);
+      for (int tile = 0; tile < kModel1NopeDims / kModel1ScaleTile; ++tile) {
+        const int e = quantize_tile<kModel1ScaleTile>(x + tile * kModel1ScaleTile,
+                                                      data + tile * kModel1ScaleTile);
+        scales[tile] = static_cast<uint8_t>(e + 127);
+      }
+      scales[kModel1ScaleBytes - 1] = 0;
+      std::memcpy(data + kModel1NopeDims, rope, sizeof(rope));
+    } else {
+      uint8_t* data = base + t * kV32BytesPerToken;
+      for (int tile = 0; tile < kV32NopeDims / kV32ScaleTile; ++tile) {
+        const int e =
+            quantize_tile<kV32ScaleTile>(x + tile * kV32ScaleTile, data + tile * kV32ScaleTile);
+        const float scale = fmt::exp2i(e);
+        std::memcpy(data + fmt::kV32ScaleOffset + 4 * tile, &scale, 4);
+      }
+      std::memcpy(data + fmt::kV32RopeOffset, rope, sizeof(rope));
+    }
   }
 }
 
-void quantize_v32(const TensorView& src, int64_t row, uint8_t* dst) {
-  for (int tile = 0; tile < kV32NopeDims / kV32ScaleTile; ++tile) {
-    const int e =
-        quantize_tile(src, row, tile * kV32ScaleTile, kV32ScaleTile, dst + tile * kV32ScaleTile);
-    const float scale = fmt::exp2i(e);
-    std::memcpy(dst + fmt::kV32ScaleOffset + 4 * tile, &scale, 4);
+// ---- dequantize ----
+
+// e4m3 codes times the tile's scale. When both are NaN, which NaN a multiply returns depends on the
+// operand order the compiler picks; the choice is made explicit here and keeps the bits of the
+// earlier scalar code: a NaN MODEL1 scale wins (it is the one NaN 0x7fc00000), a NaN V32 code wins.
+template <int kCount, bool kNanScaleWins>
+SPARSE_MLA_KV_INLINE void dequantize_tile(const uint8_t* codes, float scale, float* y) {
+  if (kNanScaleWins && scale != scale) {
+    std::fill(y, y + kCount, scale);
+    return;
   }
-  for (int j = 0; j < kRopeDims; ++j) {
-    store_bf16(dst + fmt::kV32RopeOffset + 2 * j, load_bf16(src, row, kV32NopeDims + j));
+  for (int j = 0; j < kCount; ++j) {
+    const float v = kv::e4m3_to_float(codes[j]);
+    y[j] = fmt::bits_float(kv::select((codes[j] & 0x7fu) == 0x7fu, fmt::float_bits(v),
+                                      fmt::float_bits(v * scale)));
   }
 }
 
-// Writes `value` as element (row, col) of a float32 or bf16 view.
-void store_out(const TensorView& out, int64_t row, int64_t col, float value) {
-  const int64_t off = row * out.strides[0] + col * out.strides[1];
-  if (out.dtype == DType::kFloat32) {
-    static_cast<float*>(out.data)[off] = value;
-  } else {
-    static_cast<uint16_t*>(out.data)[off] = fmt::float_to_bf16(value);
-  }
+SPARSE_MLA_KV_INLINE void load_bf16_run(const uint8_t* src, int n, float* y) {
+  uint16_t h[kMaxDims];
+  std::memcpy(h, src, sizeof(uint16_t) * n);
+  for (int j = 0; j < n; ++j) y[j] = fmt::bf16_to_float(h[j]);
 }
 
-void dequantize_row(const KVCache& kv, int64_t slot, const TensorView& out, int64_t row) {
-  const int64_t page = slot / kv.page_size;
+// Token `slot` of the cache (head 0 for dense formats) as exact fp32 values in y[0, d_qk).
+SPARSE_MLA_KV_INLINE void dequantize_token(const KVCache& kv, int64_t slot, float* y) {
   const int64_t t = slot % kv.page_size;
-  const uint8_t* base = page_base(kv, page);
+  const uint8_t* base = page_base(kv, slot / kv.page_size);
   switch (kv.format) {
     case KVFormat::kModel1: {
       const uint8_t* data = base + fmt::model1_row_offset(t);
       const uint8_t* scales = base + fmt::model1_scale_offset(kv.page_size, t);
-      for (int j = 0; j < kModel1NopeDims; ++j) {
-        store_out(out, row, j,
-                  fmt::e4m3_to_float(data[j]) * fmt::ue8m0_to_float(scales[j / kModel1ScaleTile]));
+      for (int tile = 0; tile < kModel1NopeDims / kModel1ScaleTile; ++tile) {
+        dequantize_tile<kModel1ScaleTile, true>(data + tile * kModel1ScaleTile,
+                                          fmt::ue8m0_to_float(scales[tile]),
+                                          y + tile * kModel1ScaleTile);
       }
-      for (int j = 0; j < kRopeDims; ++j) {
-        uint16_t bits;
-        std::memcpy(&bits, data + kModel1NopeDims + 2 * j, 2);
-        store_out(out, row, kModel1NopeDims + j, fmt::bf16_to_float(bits));
-      }
+      load_bf16_run(data + kModel1NopeDims, kRopeDims, y + kModel1NopeDims);
       break;
     }
     case KVFormat::kV32: {
       const uint8_t* data = base + t * kV32BytesPerToken;
       float scales[kV32NopeDims / kV32ScaleTile];
       std::memcpy(scales, data + fmt::kV32ScaleOffset, sizeof(scales));
-      for (int j = 0; j < kV32NopeDims; ++j) {
-        store_out(out, row, j, fmt::e4m3_to_float(data[j]) * scales[j / kV32ScaleTile]);
+      for (int tile = 0; tile < kV32NopeDims / kV32ScaleTile; ++tile) {
+        dequantize_tile<kV32ScaleTile, false>(data + tile * kV32ScaleTile, scales[tile],
+                                       y + tile * kV32ScaleTile);
       }
-      for (int j = 0; j < kRopeDims; ++j) {
-        uint16_t bits;
-        std::memcpy(&bits, data + fmt::kV32RopeOffset + 2 * j, 2);
-        store_out(out, row, kV32NopeDims + j, fmt::bf16_to_float(bits));
-      }
+      load_bf16_run(data + fmt::kV32RopeOffset, kRopeDims, y + kV32NopeDims);
       break;
     }
     case KVFormat::kBF16:
-    case KVFormat::kFP16: {
       // Head 0 of the token: heads follow each other inside the token's row.
-      const uint8_t* data = base + t * kv.bytes_per_token();
-      for (int j = 0; j < kDenseHeadDim; ++j) {
-        uint16_t bits;
-        std::memcpy(&bits, data + 2 * j, 2);
-        store_out(
-            out, row, j,
-            kv.format == KVFormat::kBF16 ? fmt::bf16_to_float(bits) : fmt::fp16_to_float(bits));
-      }
+      load_bf16_run(base + t * kv.bytes_per_token(), kDenseHeadDim, y);
+      break;
+    case KVFormat::kFP16: {
+      uint16_t h[kDenseHeadDim];
+      std::memcpy(h, base + t * kv.bytes_per_token(), sizeof(h));
+      for (int j = 0; j < kDenseHeadDim; ++j) y[j] = kv::fp16_to_float(h[j]);
       break;
     }
   }
+}
+
+SPARSE_MLA_KV_INLINE void dequantize_range(const DequantizeArgs& args, int64_t begin,
+                                           int64_t end) {
+  const KVCache& kv = args.kv;
+  const TensorView& out = args.out;
+  const int64_t num_slots = kv.num_slots();
+  const int d = kv_format_d_qk(kv.format);
+  const int64_t cs = out.strides[1];
+  alignas(64) float y[kMaxDims];
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t slot = load_index(args.slots, i);
+    if (slot < 0 || slot >= num_slots) {
+      std::fill(y, y + d, 0.f);
+    } else {
+      dequantize_token(kv, slot, y);
+    }
+    if (out.dtype == DType::kFloat32) {
+      float* o = static_cast<float*>(out.data) + i * out.strides[0];
+      if (cs == 1) {
+        std::memcpy(o, y, sizeof(float) * d);
+      } else {
+        for (int j = 0; j < d; ++j) o[j * cs] = y[j];
+      }
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(out.data) + i * out.strides[0];
+      if (cs == 1) {
+        for (int j = 0; j < d; ++j) o[j] = kv::bf16_from_float(y[j]);
+      } else {
+        for (int j = 0; j < d; ++j) o[j * cs] = kv::bf16_from_float(y[j]);
+      }
+    }
+  }
+}
+
+// ---- ISA variants of the row loops ----
+
+using QuantizeFn = void (*)(const QuantizeStoreArgs&, int64_t, int64_t);
+using DequantizeFn = void (*)(const DequantizeArgs&, int64_t, int64_t);
+
+struct RowKernels {
+  QuantizeFn quantize;
+  DequantizeFn dequantize;
+};
+
+void quantize_generic(const QuantizeStoreArgs& a, int64_t b, int64_t e) { quantize_range(a, b, e); }
+void dequantize_generic(const DequantizeArgs& a, int64_t b, int64_t e) { dequantize_range(a, b, e); }
+
+#if SPARSE_MLA_KV_X86
+__attribute__((target("avx2"))) void quantize_avx2(const QuantizeStoreArgs& a, int64_t b,
+                                                   int64_t e) {
+  quantize_range(a, b, e);
+}
+__attribute__((target("avx2"))) void dequantize_avx2(const DequantizeArgs& a, int64_t b,
+                                                     int64_t e) {
+  dequantize_range(a, b, e);
+}
+#endif
+
+// Follows the attention kernels' choice, so SPARSE_MLA_CPU_ISA=generic selects the baseline
+// loops here too.
+const RowKernels& row_kernels() {
+  static const RowKernels chosen = [] {
+#if SPARSE_MLA_KV_X86
+    if (std::strcmp(detail::kernels().name, "generic") != 0 && __builtin_cpu_supports("avx2")) {
+      return RowKernels{quantize_avx2, dequantize_avx2};
+    }
+#endif
+    return RowKernels{quantize_generic, dequantize_generic};
+  }();
+  return chosen;
 }
 
 // Copies tokens [src_t, src_t + n) of one src page to [dst_t, dst_t + n) of one dst page.
@@ -171,44 +298,19 @@ void copy_run(const KVCache& src, int64_t src_page, int64_t src_t, const KVCache
 }  // namespace
 
 Status quantize_store(const QuantizeStoreArgs& args) {
-  const TensorView& src = args.src;
-  const KVCache& kv = args.kv;
-  const int64_t n = src.shape[0];
-  const int64_t num_slots = kv.num_slots();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = load_index(args.slots, i);
-    if (slot < 0 || slot >= num_slots) continue;  // -1 skips; out of range is never written
-    const int64_t page = slot / kv.page_size;
-    const int64_t t = slot % kv.page_size;
-    uint8_t* base = page_base(kv, page);
-    if (kv.format == KVFormat::kModel1) {
-      quantize_model1(src, i, base, kv.page_size, t);
-    } else {
-      quantize_v32(src, i, base + t * kV32BytesPerToken);
-    }
-  }
+  // Rows naming the same slot race (docs/errors.md): which one lands is unspecified.
+  const QuantizeFn fn = row_kernels().quantize;
+  for_row_ranges(args.src.shape[0], kv_format_d_qk(args.kv.format),
+                 [&](int64_t begin, int64_t end) { fn(args, begin, end); });
   return Status::Ok();
 }
 
 Status dequantize(const DequantizeArgs& args) {
-  const KVCache& kv = args.kv;
-  const TensorView& out = args.out;
-  const int64_t n = args.slots.shape[0];
-  const int64_t num_slots = kv.num_slots();
-  const int d = kv_format_d_qk(kv.format);
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = load_index(args.slots, i);
-    if (slot < 0 || slot >= num_slots) {
-      for (int j = 0; j < d; ++j) store_out(out, i, j, 0.f);
-      continue;
-    }
-    dequantize_row(kv, slot, out, i);
-  }
+  const DequantizeFn fn = row_kernels().dequantize;
+  for_row_ranges(args.slots.shape[0], kv_format_d_qk(args.kv.format),
+                 [&](int64_t begin, int64_t end) { fn(args, begin, end); });
   return Status::Ok();
 }
-
 Status repack_pages(const RepackArgs& args) {
   const KVCache& src = args.src;
   const KVCache& dst = args.dst;
