@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "sparse_mla/sparse_mla.h"
+#include "src/cpu/kv_convert.h"
 #include "src/kv/format.h"
 
 namespace sparse_mla {
@@ -666,6 +667,140 @@ TEST(KvRepackRange, SkipsOutOfRangeTableEntriesAndClampsLengths) {
   EXPECT_EQ(std::memcmp(page0, src.bytes(), 53 * 576), 0);
   EXPECT_EQ(page0[53 * 576], kSentinel);
   EXPECT_EQ(page0[61 * 576 + 53 * 8], kSentinel);
+}
+
+// The branch-free conversions of the CPU KV tools against format.h: every bf16 pattern, each with
+// random low bits (ties and sticky bits of the e4m3 rounding), the neighbours of every e4m3 tie,
+// random fp32 patterns, and every e4m3 / fp16 code.
+TEST(KvConvert, MatchesFormatBitForBit) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int64_t mismatches = 0;
+  auto check = [&](uint32_t u) {
+    const float f = fmt::bits_float(u);
+    if (cpu::kv::e4m3_from_float(f) != fmt::float_to_e4m3(f) ||
+        cpu::kv::bf16_from_float(f) != fmt::float_to_bf16(f)) {
+      if (++mismatches <= 10) ADD_FAILURE() << "fp32 bits 0x" << std::hex << u;
+    }
+  };
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    check(h << 16);
+    check((h << 16) | 0x8000u);  // a bf16 tie
+    for (int k = 0; k < 4; ++k) check((h << 16) | static_cast<uint32_t>(rng() & 0xffffu));
+  }
+  for (uint32_t top = 0; top < 0x1000u; ++top) {  // sign, exponent, 3 mantissa bits
+    for (uint32_t low : {0x00000u, 0x7ffffu, 0x80000u, 0x80001u, 0xfffffu}) check((top << 20) | low);
+  }
+  // Subnormal e4m3 ties: odd multiples of 2^-10, and their fp32 neighbours.
+  for (int m = 1; m < 16; m += 2) {
+    const uint32_t u = fmt::float_bits(std::ldexp(static_cast<float>(m), -10));
+    for (uint32_t s : {0u, 0x80000000u}) {
+      check((u - 1) | s);
+      check(u | s);
+      check((u + 1) | s);
+    }
+  }
+  for (int k = 0; k < (1 << 22); ++k) check(static_cast<uint32_t>(rng()));
+  for (int c = 0; c < 256; ++c) {
+    const uint8_t code = static_cast<uint8_t>(c);
+    EXPECT_EQ(fmt::float_bits(cpu::kv::e4m3_to_float(code)),
+              fmt::float_bits(fmt::e4m3_to_float(code)))
+        << "e4m3 code " << c;
+  }
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const uint16_t code = static_cast<uint16_t>(h);
+    if (fmt::float_bits(cpu::kv::fp16_to_float(code)) !=
+        fmt::float_bits(fmt::fp16_to_float(code))) {
+      if (++mismatches <= 10) ADD_FAILURE() << "fp16 code 0x" << std::hex << h;
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+// A signaling NaN is ignored by the tile's amax like any NaN (spec recipe; std::fmax returns NaN
+// for one, which used to restart the running max): the infinity before it still sets the scale.
+TEST(KvQuantizeStore, SignalingNanDoesNotResetTileAmax) {
+  HostCache c(KVFormat::kModel1, 1, 4, engine_stride(4));
+  std::vector<float> x(512, 0.25f);
+  x[3] = std::numeric_limits<float>::infinity();
+  x[5] = fmt::bits_float(0x7f800001u);  // signaling NaN
+  std::vector<int32_t> slots{2};
+  QuantizeStoreArgs args{TensorView::contiguous(x.data(), DType::kFloat32, Device{}, {1, 512}),
+                         i32_view(slots), c.kv};
+  ASSERT_TRUE(quantize_store(args, kCPU).ok());
+  const uint8_t* row = c.bytes() + 2 * 576;
+  const uint8_t* scales = c.bytes() + 4 * 576 + 2 * 8;
+  EXPECT_EQ(scales[0], 127 + 127);  // amax inf: exponent 127
+  EXPECT_EQ(row[3], 0x7E);          // inf / 2^127 saturates
+  EXPECT_EQ(row[5], 0x7F);
+  EXPECT_EQ(row[0], 0x00);  // 0.25 / 2^127 rounds to zero
+  EXPECT_EQ(scales[1], 127 - 10);  // 0.25 / 448 = 2^-10.8 -> 2^-10
+}
+
+// Large calls split rows over threads; small ones run on the calling thread. Both give the same
+// bytes: one call over many rows against one call per row, for both formats, bf16 and fp32
+// sources with padded rows, and dequantize to both output types.
+TEST(KvQuantizeStore, OneLargeCallEqualsRowByRowCalls) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (KVFormat format : {KVFormat::kModel1, KVFormat::kV32}) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+      SCOPED_TRACE(std::string(kv_format_name(format)) +
+                   (dtype == DType::kFloat32 ? " fp32" : " bf16"));
+      const int d = kv_format_d_qk(format);
+      const int64_t page_size = 37, num_pages = 40, n = 1111;
+      const int64_t stride = (page_size * (format == KVFormat::kModel1 ? 584 : 656) + 15) / 16 * 16 + 48;
+      const int64_t row_stride = d + 8;
+      std::vector<float> xf(n * row_stride);
+      for (auto& v : xf) v = std::ldexp(nd(rng), static_cast<int>(rng() % 40) - 20);
+      std::vector<uint16_t> xb(xf.size());
+      for (size_t k = 0; k < xf.size(); ++k) xb[k] = fmt::float_to_bf16(xf[k]);
+      void* src = dtype == DType::kFloat32 ? static_cast<void*>(xf.data()) : xb.data();
+      const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
+      std::vector<int32_t> slots(page_size * num_pages);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      slots.resize(n);
+      slots[7] = -1;
+      HostCache whole(format, num_pages, page_size, stride);
+      HostCache single(format, num_pages, page_size, stride);
+      ASSERT_TRUE(quantize_store({TensorView::strided(src, dtype, Device{}, {n, d}, {row_stride, 1}),
+                                  i32_view(slots), whole.kv},
+                                 kCPU)
+                      .ok());
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<int32_t> one{slots[i]};
+        void* row = static_cast<uint8_t*>(src) + i * row_stride * elem;
+        ASSERT_TRUE(quantize_store({TensorView::contiguous(row, dtype, Device{}, {1, d}),
+                                    i32_view(one), single.kv},
+                                   kCPU)
+                        .ok());
+      }
+      ASSERT_TRUE(whole.image() == single.image());
+
+      for (DType out_dtype : {DType::kFloat32, DType::kBFloat16}) {
+        const size_t oe = out_dtype == DType::kFloat32 ? 4 : 2;
+        std::vector<uint8_t> all(n * d * oe, kSentinel), each(n * d * oe, kSentinel);
+        ASSERT_TRUE(dequantize({whole.kv, i32_view(slots),
+                                TensorView::contiguous(all.data(), out_dtype, Device{}, {n, d})},
+                               kCPU)
+                        .ok());
+        for (int64_t i = 0; i < n; ++i) {
+          std::vector<int32_t> one{slots[i]};
+          ASSERT_TRUE(dequantize({whole.kv, i32_view(one),
+                                  TensorView::contiguous(each.data() + i * d * oe, out_dtype,
+                                                         Device{}, {1, d})},
+                                 kCPU)
+                          .ok());
+        }
+        ASSERT_TRUE(all == each) << (out_dtype == DType::kFloat32 ? "fp32" : "bf16") << " out";
+        for (int j = 0; j < d; ++j) ASSERT_EQ(all[7 * d * oe + j * oe], 0) << "slot -1 row";
+      }
+    }
+  }
 }
 
 }  // namespace
