@@ -45,6 +45,8 @@ struct SparseDecodeArgs {
 Status sparse_decode_workspace_size(const SparseDecodeArgs& args, const Options& options,
                                     WorkspaceSizes* sizes);
 // Fills workspace.plan from shapes and topk_length / extra_topk_length (on the device, graph-safe).
+// A plan belongs to the backend and device it was made for (the sm90 and cuda kernels cut tokens
+// into tiles of different sizes): query, plan and run with the same Options::backend.
 Status sparse_decode_plan(const SparseDecodeArgs& args, const Workspace& workspace,
                           const Options& options);
 Status sparse_decode(const SparseDecodeArgs& args, const Workspace& workspace,
