@@ -351,6 +351,90 @@ Status check_decode_workspace(const Workspace& ws, const WorkspaceSizes& need) {
 }
 #endif
 
+// What differs between sparse and dense decode at this layer; the Decode* templates below do
+// the rest (validation, backend choice, workspace checks, dispatch) once for both.
+struct SparseOp {
+  using Args = SparseDecodeArgs;
+  using Problem = SparseDecodeProblem;
+  static constexpr const char* kName = "sparse_decode";
+  static Status validate(const Args& a, Problem* p) { return validate_sparse(a, p); }
+  static Status run_cpu(const Args& a, const Problem& p) { return cpu::sparse_decode(a, p); }
+#if SPARSE_MLA_WITH_CUDA
+  static WorkspaceSizes sizes(const Problem& p, int device) {
+    return cuda::sparse_decode_workspace_size(p, device);
+  }
+  static Status plan(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
+    return cuda::sparse_decode_plan(a, p, ws, stream);
+  }
+  static Status run(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
+    return cuda::sparse_decode(a, p, ws, stream);
+  }
+#endif
+};
+
+struct DenseOp {
+  using Args = DenseDecodeArgs;
+  using Problem = DenseDecodeProblem;
+  static constexpr const char* kName = "dense_decode";
+  static Status validate(const Args& a, Problem* p) { return validate_dense(a, p); }
+  static Status run_cpu(const Args& a, const Problem& p) { return cpu::dense_decode(a, p); }
+#if SPARSE_MLA_WITH_CUDA
+  static WorkspaceSizes sizes(const Problem& p, int device) {
+    return cuda::dense_decode_workspace_size(p, device);
+  }
+  static Status plan(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
+    return cuda::dense_decode_plan(a, p, ws, stream);
+  }
+  static Status run(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
+    return cuda::dense_decode(a, p, ws, stream);
+  }
+#endif
+};
+
+// Validates, picks the backend and records it in the problem.
+template <typename Op>
+Status prepare_decode(const typename Op::Args& args, const Options& options,
+                      typename Op::Problem* p, Backend* backend) {
+  SPARSE_MLA_RETURN_IF_ERROR(Op::validate(args, p));
+  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, Op::kName, backend));
+  p->sm90 = *backend == Backend::kSM90;
+  return Status::Ok();
+}
+
+template <typename Op>
+Status decode_workspace_size(const typename Op::Args& args, const Options& options,
+                             WorkspaceSizes* sizes) {
+  typename Op::Problem p;
+  Backend backend;
+  SPARSE_MLA_RETURN_IF_ERROR(prepare_decode<Op>(args, options, &p, &backend));
+  *sizes = WorkspaceSizes{};  // the CPU backend needs no workspace
+#if SPARSE_MLA_WITH_CUDA
+  if (backend != Backend::kCPU) *sizes = Op::sizes(p, args.q.device.index);
+#endif
+  return Status::Ok();
+}
+
+// Plans (run == false) or runs one decode call.
+template <typename Op>
+Status decode_call(const typename Op::Args& args, const Workspace& workspace,
+                   const Options& options, bool run) {
+  typename Op::Problem p;
+  Backend backend;
+  SPARSE_MLA_RETURN_IF_ERROR(prepare_decode<Op>(args, options, &p, &backend));
+#if SPARSE_MLA_WITH_CUDA
+  if (backend != Backend::kCPU) {
+    SPARSE_MLA_RETURN_IF_ERROR(
+        check_decode_workspace(workspace, Op::sizes(p, args.q.device.index)));
+    DeviceGuard guard(args.q.device.index);
+    return run ? Op::run(args, p, workspace, options.stream)
+               : Op::plan(args, p, workspace, options.stream);
+  }
+#endif
+  (void)workspace;
+  if (!run || p.b == 0) return Status::Ok();  // the CPU backend needs no plan
+  return Op::run_cpu(args, p);
+}
+
 }  // namespace
 
 // ---- Sparse decode ----
@@ -358,61 +442,22 @@ Status check_decode_workspace(const Workspace& ws, const WorkspaceSizes& need) {
 Status sparse_decode_supported(const SparseDecodeArgs& args, const Options& options,
                                Backend* chosen) {
   SparseDecodeProblem p;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
-  return select_backend(options, args.q.device, "sparse_decode", chosen);
+  return prepare_decode<SparseOp>(args, options, &p, chosen);
 }
 
 Status sparse_decode_workspace_size(const SparseDecodeArgs& args, const Options& options,
                                     WorkspaceSizes* sizes) {
-  SparseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-  *sizes = WorkspaceSizes{};
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) *sizes = cuda::sparse_decode_workspace_size(p, args.q.device.index);
-#endif
-  return Status::Ok();
+  return decode_workspace_size<SparseOp>(args, options, sizes);
 }
 
 Status sparse_decode_plan(const SparseDecodeArgs& args, const Workspace& workspace,
                           const Options& options) {
-  SparseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) {
-    SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
-        workspace, cuda::sparse_decode_workspace_size(p, args.q.device.index)));
-    DeviceGuard guard(args.q.device.index);
-    return cuda::sparse_decode_plan(args, p, workspace, options.stream);
-  }
-#endif
-  (void)workspace;
-  return Status::Ok();  // the CPU backend needs no plan
+  return decode_call<SparseOp>(args, workspace, options, false);
 }
 
 Status sparse_decode(const SparseDecodeArgs& args, const Workspace& workspace,
                      const Options& options) {
-  SparseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_sparse(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "sparse_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) {
-    SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
-        workspace, cuda::sparse_decode_workspace_size(p, args.q.device.index)));
-    DeviceGuard guard(args.q.device.index);
-    return cuda::sparse_decode(args, p, workspace, options.stream);
-  }
-#endif
-  (void)workspace;
-  if (p.b == 0) return Status::Ok();
-  return cpu::sparse_decode(args, p);
+  return decode_call<SparseOp>(args, workspace, options, true);
 }
 
 // ---- Dense decode ----
@@ -420,61 +465,22 @@ Status sparse_decode(const SparseDecodeArgs& args, const Workspace& workspace,
 Status dense_decode_supported(const DenseDecodeArgs& args, const Options& options,
                               Backend* chosen) {
   DenseDecodeProblem p;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
-  return select_backend(options, args.q.device, "dense_decode", chosen);
+  return prepare_decode<DenseOp>(args, options, &p, chosen);
 }
 
 Status dense_decode_workspace_size(const DenseDecodeArgs& args, const Options& options,
                                    WorkspaceSizes* sizes) {
-  DenseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-  *sizes = WorkspaceSizes{};
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) *sizes = cuda::dense_decode_workspace_size(p, args.q.device.index);
-#endif
-  return Status::Ok();
+  return decode_workspace_size<DenseOp>(args, options, sizes);
 }
 
 Status dense_decode_plan(const DenseDecodeArgs& args, const Workspace& workspace,
                          const Options& options) {
-  DenseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) {
-    SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
-        workspace, cuda::dense_decode_workspace_size(p, args.q.device.index)));
-    DeviceGuard guard(args.q.device.index);
-    return cuda::dense_decode_plan(args, p, workspace, options.stream);
-  }
-#endif
-  (void)workspace;
-  return Status::Ok();
+  return decode_call<DenseOp>(args, workspace, options, false);
 }
 
 Status dense_decode(const DenseDecodeArgs& args, const Workspace& workspace,
                     const Options& options) {
-  DenseDecodeProblem p;
-  Backend backend;
-  SPARSE_MLA_RETURN_IF_ERROR(validate_dense(args, &p));
-  SPARSE_MLA_RETURN_IF_ERROR(select_backend(options, args.q.device, "dense_decode", &backend));
-  p.sm90 = backend == Backend::kSM90;
-#if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) {
-    SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(
-        workspace, cuda::dense_decode_workspace_size(p, args.q.device.index)));
-    DeviceGuard guard(args.q.device.index);
-    return cuda::dense_decode(args, p, workspace, options.stream);
-  }
-#endif
-  (void)workspace;
-  if (p.b == 0) return Status::Ok();
-  return cpu::dense_decode(args, p);
+  return decode_call<DenseOp>(args, workspace, options, true);
 }
 
 // ---- Merge and KV tools ----
