@@ -292,9 +292,15 @@ void stand_in_outputs(const TensorView& q, DType out_dtype, TensorView* out, Ten
 
 // ---- sparse decode ----
 
+// A call's arrays and arguments, and the library functions for its kind of decode (the
+// decode_* templates below serve sparse and dense alike).
 struct SparseCall {
   Arrays arrays;
   SparseDecodeArgs args;
+  static constexpr auto workspace_size = &sparse_mla::sparse_decode_workspace_size;
+  static constexpr auto supported = &sparse_mla::sparse_decode_supported;
+  static constexpr auto plan = &sparse_mla::sparse_decode_plan;
+  static constexpr auto run = &sparse_mla::sparse_decode;
 };
 
 void build_sparse(SparseCall& c, nb::handle q, nb::handle k_cache, nb::handle indices,
@@ -326,6 +332,10 @@ void build_sparse(SparseCall& c, nb::handle q, nb::handle k_cache, nb::handle in
 struct DenseCall {
   Arrays arrays;
   DenseDecodeArgs args;
+  static constexpr auto workspace_size = &sparse_mla::dense_decode_workspace_size;
+  static constexpr auto supported = &sparse_mla::dense_decode_supported;
+  static constexpr auto plan = &sparse_mla::dense_decode_plan;
+  static constexpr auto run = &sparse_mla::dense_decode;
 };
 
 void build_dense(DenseCall& c, nb::handle q, nb::handle k_cache, nb::handle block_table,
@@ -358,6 +368,60 @@ Workspace make_workspace(Arrays& arr, nb::handle plan, nb::handle scratch) {
 std::tuple<bool, std::string, std::string> support_result(const Status& s, Backend chosen) {
   if (s.ok()) return {true, backend_name(chosen), ""};
   return {false, "", s.to_string()};
+}
+
+template <typename Call>
+std::tuple<size_t, size_t> decode_workspace_size(const Call& c, const std::string& backend) {
+  WorkspaceSizes sizes;
+  check(Call::workspace_size(c.args, make_options(backend, 0), &sizes));
+  return {sizes.plan_bytes, sizes.scratch_bytes};
+}
+
+// build(call) imports the arrays; arrays it rejects make the request "not supported".
+template <typename Call, typename Build>
+std::tuple<bool, std::string, std::string> decode_supported(Build&& build,
+                                                            const std::string& backend) {
+  Call c;
+  try {
+    build(c);
+  } catch (const StatusError& e) {
+    return support_result(e.status, Backend::kAuto);
+  } catch (const nb::builtin_exception& e) {
+    return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
+  }
+  Backend chosen = Backend::kAuto;
+  Options o;
+  Status s = parse_backend(backend, &o.backend);
+  if (s.ok()) s = Call::supported(c.args, o, &chosen);
+  return support_result(s, chosen);
+}
+
+template <typename Call>
+void decode_plan(Call& c, nb::handle plan, nb::handle scratch, const std::string& backend,
+                 uintptr_t stream) {
+  Workspace ws = make_workspace(c.arrays, plan, scratch);
+  Options o = make_options(backend, stream);
+  nb::gil_scoped_release release;
+  check(Call::plan(c.args, ws, o));
+}
+
+template <typename Call>
+void decode_run(Call& c, nb::handle plan, nb::handle scratch, nb::handle allocate,
+                const std::string& backend, uintptr_t stream) {
+  Options o = make_options(backend, stream);
+  Workspace ws = make_workspace(c.arrays, plan, scratch);
+  if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
+    // One call does size, allocate, plan and run (one import of the arrays).
+    WorkspaceSizes sizes;
+    check(Call::workspace_size(c.args, o, &sizes));
+    if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
+      ws = make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
+      nb::gil_scoped_release release;
+      check(Call::plan(c.args, ws, o));
+    }
+  }
+  nb::gil_scoped_release release;
+  check(Call::run(c.args, ws, o));
 }
 
 #if SPARSE_MLA_WITH_CUDA
@@ -470,28 +534,15 @@ NB_MODULE(_ext, m) {
       [](SPARSE_PARAMS, const std::string& backend) {
         SparseCall c;
         build_sparse(c, SPARSE_ARGS, false);
-        WorkspaceSizes sizes;
-        check(sparse_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
-        return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
+        return decode_workspace_size(c, backend);
       },
       SPARSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a sparse decode.");
 
   m.def(
       "sparse_decode_supported",
       [](SPARSE_PARAMS, const std::string& backend) {
-        SparseCall c;
-        try {
-          build_sparse(c, SPARSE_ARGS, false);
-        } catch (const StatusError& e) {
-          return support_result(e.status, Backend::kAuto);
-        } catch (const nb::builtin_exception& e) {
-          return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
-        }
-        Backend chosen = Backend::kAuto;
-        Options o;
-        Status s = parse_backend(backend, &o.backend);
-        if (s.ok()) s = sparse_decode_supported(c.args, o, &chosen);
-        return support_result(s, chosen);
+        return decode_supported<SparseCall>(
+            [&](SparseCall& c) { build_sparse(c, SPARSE_ARGS, false); }, backend);
       },
       SPARSE_NAMES, "backend"_a = "auto",
       "(ok, backend, reason): whether and where a sparse decode can run.");
@@ -502,10 +553,7 @@ NB_MODULE(_ext, m) {
          uintptr_t stream) {
         SparseCall c;
         build_sparse(c, SPARSE_ARGS, false);
-        Workspace ws = make_workspace(c.arrays, plan, scratch);
-        Options o = make_options(backend, stream);
-        nb::gil_scoped_release release;
-        check(sparse_decode_plan(c.args, ws, o));
+        decode_plan(c, plan, scratch, backend, stream);
       },
       SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
       "stream"_a = 0, "Fills the plan buffer for a sparse decode (on the device, graph-safe).");
@@ -516,21 +564,7 @@ NB_MODULE(_ext, m) {
          const std::string& backend, uintptr_t stream) {
         SparseCall c;
         build_sparse(c, SPARSE_ARGS, true);
-        Options o = make_options(backend, stream);
-        Workspace ws = make_workspace(c.arrays, plan, scratch);
-        if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
-          // One call does size, allocate, plan and run (one import of the arrays).
-          WorkspaceSizes sizes;
-          check(sparse_decode_workspace_size(c.args, o, &sizes));
-          if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
-            ws =
-                make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
-            nb::gil_scoped_release release;
-            check(sparse_decode_plan(c.args, ws, o));
-          }
-        }
-        nb::gil_scoped_release release;
-        check(sparse_decode(c.args, ws, o));
+        decode_run(c, plan, scratch, allocate, backend, stream);
       },
       SPARSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
       "backend"_a = "auto", "stream"_a = 0,
@@ -552,28 +586,15 @@ NB_MODULE(_ext, m) {
       [](DENSE_PARAMS, const std::string& backend) {
         DenseCall c;
         build_dense(c, DENSE_ARGS, false);
-        WorkspaceSizes sizes;
-        check(dense_decode_workspace_size(c.args, make_options(backend, 0), &sizes));
-        return std::make_tuple(sizes.plan_bytes, sizes.scratch_bytes);
+        return decode_workspace_size(c, backend);
       },
       DENSE_NAMES, "backend"_a = "auto", "(plan_bytes, scratch_bytes) for a dense decode.");
 
   m.def(
       "dense_decode_supported",
       [](DENSE_PARAMS, const std::string& backend) {
-        DenseCall c;
-        try {
-          build_dense(c, DENSE_ARGS, false);
-        } catch (const StatusError& e) {
-          return support_result(e.status, Backend::kAuto);
-        } catch (const nb::builtin_exception& e) {
-          return support_result(Status::InvalidArgument(e.what()), Backend::kAuto);
-        }
-        Backend chosen = Backend::kAuto;
-        Options o;
-        Status s = parse_backend(backend, &o.backend);
-        if (s.ok()) s = dense_decode_supported(c.args, o, &chosen);
-        return support_result(s, chosen);
+        return decode_supported<DenseCall>(
+            [&](DenseCall& c) { build_dense(c, DENSE_ARGS, false); }, backend);
       },
       DENSE_NAMES, "backend"_a = "auto",
       "(ok, backend, reason): whether and where a dense decode can run.");
@@ -584,10 +605,7 @@ NB_MODULE(_ext, m) {
          uintptr_t stream) {
         DenseCall c;
         build_dense(c, DENSE_ARGS, false);
-        Workspace ws = make_workspace(c.arrays, plan, scratch);
-        Options o = make_options(backend, stream);
-        nb::gil_scoped_release release;
-        check(dense_decode_plan(c.args, ws, o));
+        decode_plan(c, plan, scratch, backend, stream);
       },
       DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "backend"_a = "auto",
       "stream"_a = 0, "Fills the plan buffer for a dense decode (on the device, graph-safe).");
@@ -598,21 +616,7 @@ NB_MODULE(_ext, m) {
          const std::string& backend, uintptr_t stream) {
         DenseCall c;
         build_dense(c, DENSE_ARGS, true);
-        Options o = make_options(backend, stream);
-        Workspace ws = make_workspace(c.arrays, plan, scratch);
-        if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
-          // One call does size, allocate, plan and run (one import of the arrays).
-          WorkspaceSizes sizes;
-          check(dense_decode_workspace_size(c.args, o, &sizes));
-          if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
-            ws =
-                make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
-            nb::gil_scoped_release release;
-            check(dense_decode_plan(c.args, ws, o));
-          }
-        }
-        nb::gil_scoped_release release;
-        check(dense_decode(c.args, ws, o));
+        decode_run(c, plan, scratch, allocate, backend, stream);
       },
       DENSE_NAMES, "plan"_a = nb::none(), "scratch"_a = nb::none(), "allocate"_a = nb::none(),
       "backend"_a = "auto", "stream"_a = 0,
