@@ -111,10 +111,12 @@ SPARSE_MLA_HD int scale_exponent(float amax) {
 }
 
 // UE8M0 byte <-> scale.
+// Written as selects, not branches: the GPU kernels call it once per token and lane.
 SPARSE_MLA_HD float ue8m0_to_float(uint8_t b) {
-  if (b == 0xffu) return bits_float(0x7fc00000u);
-  if (b == 0) return exp2i(-126) * 0.5f;  // 2^-127
-  return bits_float(static_cast<uint32_t>(b) << 23);
+  const uint32_t bits = b == 0xffu ? 0x7fc00000u                        // NaN
+                        : b == 0   ? 0x00400000u                        // 2^-127 (subnormal)
+                                   : static_cast<uint32_t>(b) << 23;
+  return bits_float(bits);
 }
 
 // ---- Page layout ----

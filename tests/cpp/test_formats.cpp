@@ -2,6 +2,7 @@
 // UE8M0 scale recipe, MODEL1 footer and V32 row offsets, and kv_cache_from_tensor.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "sparse_mla/kv_cache.h"
+#include "src/cuda/common/divider.h"
 #include "src/kv/format.h"
 
 namespace sparse_mla {
@@ -152,6 +154,40 @@ TEST(FormatScale, UE8M0Bytes) {
   EXPECT_EQ(fmt::ue8m0_to_float(1), std::ldexp(1.0f, -126));
   EXPECT_EQ(fmt::ue8m0_to_float(0), std::ldexp(1.0f, -127));
   EXPECT_TRUE(std::isnan(fmt::ue8m0_to_float(255)));
+}
+
+// The page of a slot (GPU kernels) by multiply and shift: the same as integer division for every
+// page size and every int32 slot, including divisors past 2^31 (clamped: page 0).
+TEST(SlotDivider, MatchesIntegerDivision) {
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= 1100; ++d) divisors.push_back(d);
+  for (int64_t d : {4093LL, 65536LL, 65537LL, 1000003LL, (1LL << 30) - 1, 1LL << 30,
+                    (1LL << 31) - 1, 1LL << 31, 1LL << 40}) {
+    divisors.push_back(d);
+  }
+  uint64_t state = 12345;
+  for (int64_t d : divisors) {
+    const cuda::SlotDivider div = cuda::SlotDivider::make(d);
+    std::vector<uint32_t> ns = {0, 1, 0x7fffffffu, 0x7ffffffeu};
+    for (int64_t k : {1LL, 2LL, 1000LL, 0x7fffffffLL / d}) {
+      for (int64_t off : {-1LL, 0LL, 1LL}) {
+        const int64_t n = k * d + off;
+        if (n >= 0 && n <= 0x7fffffff) ns.push_back(static_cast<uint32_t>(n));
+      }
+    }
+    for (int r = 0; r < 200; ++r) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      ns.push_back(static_cast<uint32_t>(state >> 33));  // [0, 2^31)
+    }
+    for (uint32_t n : ns) {
+      const int64_t want = static_cast<int64_t>(n) / d;
+      const uint32_t q = div.quotient(n);
+      ASSERT_EQ(q, want) << "n=" << n << " d=" << d;
+      ASSERT_EQ(div.remainder(n, q),
+                static_cast<int64_t>(n) - want * std::min<int64_t>(d, 1LL << 31))
+          << "n=" << n << " d=" << d;
+    }
+  }
 }
 
 TEST(FormatLayout, Model1FooterOffsets) {

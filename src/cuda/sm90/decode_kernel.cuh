@@ -56,8 +56,10 @@ struct Sm90Config {
   static constexpr int kProducerThreads = kProducerWarps * 32;
   static constexpr int kTokensPerWarp = kT / kProducerWarps;
   static constexpr int kThreads = kProducerThreads + 256;
-  static constexpr int kProducerRegs = 80;
-  static constexpr int kConsumerRegs = 176;  // 80 * 256 + 176 * 256 = 128 * 512 (the launch)
+  // The staged producers keep two cursors and the conversion's addresses (88 registers); the
+  // other formats' consumers spill below 176.
+  static constexpr int kProducerRegs = kStaged ? 88 : 80;
+  static constexpr int kConsumerRegs = 256 - kProducerRegs;  // 256 P + 256 C = 128 * 512 (launch)
 
   static constexpr int kBlockBytes = kT * 128;    // one 64-dim column block of a tile
   static constexpr int kQBlockBytes = kRows * 128;  // ... of Q
@@ -105,6 +107,7 @@ struct TileCursor {
   int k1;   // end tile of the pair in this part
   int seg;  // pairs entered before this one
   int n_main, len;  // of the pair (PairInfo)
+  int i, sq;        // its request and query token
 
   __device__ bool valid(const DecodeParams& p) const { return pr < p.num_pairs; }
   __device__ bool first() const { return k == k0; }
@@ -126,6 +129,8 @@ struct TileCursor {
         k = k0 = kt;
         n_main = info.n_main;
         len = info.len;
+        i = p.dense ? pr : pr / p.s_q;
+        sq = p.dense ? 0 : pr - i * p.s_q;
         return;
       }
       ++pr;
@@ -182,7 +187,7 @@ struct Sm90Cta {
 
   __device__ void pair_coords(int pr, int* i, int* sq) const {
     *i = p.dense ? pr : pr / p.s_q;
-    *sq = p.dense ? 0 : pr % p.s_q;
+    *sq = p.dense ? 0 : pr - *i * p.s_q;
   }
   // Query row `lr` of the CTA's group -> (query token, head).
   __device__ void row_coords(int lr, int sq, int* s, int* head) const {
@@ -200,9 +205,7 @@ struct Sm90Cta {
   // Raw slot / page value of token `tok` of the cursor's tile (-1 past the end).
   __device__ int raw_token(const TileCursor<kT>& c, int tok) const {
     if (!c.valid(p)) return -1;
-    int i, sq;
-    pair_coords(c.pr, &i, &sq);
-    return smxx::decode::load_raw(p, c.info(), i, sq, c.k * kT + tok);
+    return smxx::decode::load_raw(p, c.info(), c.i, c.sq, c.k * kT + tok);
   }
   __device__ RowRef resolve_token(const TileCursor<kT>& c, int tok, int raw) const {
     if (!c.valid(p)) return RowRef{nullptr, nullptr};
@@ -360,31 +363,30 @@ struct Sm90Cta {
 
   __device__ void issue_raw(int rs, const RowRef& ref, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
+    constexpr int kRowChunks = Cfg::kRawRowBytes / 16;
+    constexpr int kCopies = kW * kRowChunks;
     uint8_t* raw = raw_smem(rs);
     const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
     if (lane == 0) raw[Cfg::kRawScaleOff + kT * 8 + pw] = static_cast<uint8_t>(valid);
+    // The warp's kW rows are contiguous in the stage, so copy c (16 bytes) of the warp lands at
+    // byte 16 c: lanes take consecutive copies. Missing rows are zero-filled (finite V).
+    uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
+    const auto* never_read = reinterpret_cast<const uint8_t*>(p.q);
 #pragma unroll
-    for (int j = 0; j < kW; ++j) {
-      const int t = pw * kW + j;
+    for (int u = 0; u < (kCopies + 31) / 32; ++u) {
+      const int c = u * 32 + lane;
+      const int j = c / kRowChunks;  // < 32: every lane takes part in the shuffle
       const auto row = reinterpret_cast<const uint8_t*>(
           __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
-      uint8_t* dst = raw + t * Cfg::kRawRowBytes;
-#pragma unroll
-      for (int ch = lane; ch < Cfg::kRawRowBytes / 16; ch += 32) {
-        if (row != nullptr) {
-          ptx::cp_async_16(dst + ch * 16, row + ch * 16);
-        } else {
-          *reinterpret_cast<uint4*>(dst + ch * 16) = make_uint4(0, 0, 0, 0);
-        }
+      if (c < kCopies) {
+        const bool ok = row != nullptr;
+        ptx::cp_async_16_zfill(dst + c * 16, ok ? row + (c - j * kRowChunks) * 16 : never_read, ok);
       }
     }
     if (lane < kW) {
-      uint8_t* dst = raw + Cfg::kRawScaleOff + (pw * kW + lane) * 8;
-      if (ref.row != nullptr) {
-        ptx::cp_async_8(dst, ref.scale);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
-      }
+      const bool ok = ref.row != nullptr;
+      ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + lane) * 8,
+                            ok ? ref.scale : never_read, ok);
     }
   }
 
@@ -393,24 +395,55 @@ struct Sm90Cta {
     const uint8_t* raw = raw_smem(rs);
     uint8_t* tile = tile_smem(st);
     if (lane == 0) mask_smem(st)[pw] = raw[Cfg::kRawScaleOff + kT * 8 + pw];
+    // One branch around all kW tokens, not one per token, and the loads of a batch of tokens
+    // before their stores (the compiler cannot move a load of the raw stage above a store to the
+    // tile: both are shared memory), so that the tokens' shared-memory round trips overlap.
+    // Batches of kBatch keep the registers within the producers' budget.
+    constexpr int kBatch = kW % 3 == 0 ? 3 : (kW % 2 == 0 ? 2 : 1);
+    if (lane < Tr::kFP8Chunks) {
+      const int swap = (lane >> 2) & 1;  // neighbouring blocks store in opposite order
 #pragma unroll
-    for (int j = 0; j < kW; ++j) {
-      const int t = pw * kW + j;
-      const uint8_t* src = raw + t * Cfg::kRawRowBytes;
-      if (lane < Tr::kFP8Chunks) {
-        const float scale = fmt::ue8m0_to_float(raw[Cfg::kRawScaleOff + t * 8 + (lane >> 2)]);
-        uint4 lo, hi;
-        e4m3x16_to_bf16(*reinterpret_cast<const uint4*>(src + lane * 16), scale, lo, hi);
-        const int swap = (lane >> 2) & 1;  // neighbouring blocks store in opposite order
-        *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + swap, kT)) = swap ? hi : lo;
-        *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + 1 - swap, kT)) = swap ? lo : hi;
-      } else {
-        // lanes 28-31: the 8 rope chunks (stored chunks 28-35 -> bf16 chunks 56-63)
+      for (int j0 = 0; j0 < kW; j0 += kBatch) {
+        uint4 in[kBatch];
+        uint8_t sb[kBatch];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int ch = lane + 4 * h;
-          *reinterpret_cast<uint4*>(tile + sw_off(t, ch + 28, kT)) =
-              *reinterpret_cast<const uint4*>(src + ch * 16);
+        for (int j = 0; j < kBatch; ++j) {
+          const int t = pw * kW + j0 + j;
+          in[j] = *reinterpret_cast<const uint4*>(raw + t * Cfg::kRawRowBytes + lane * 16);
+          sb[j] = raw[Cfg::kRawScaleOff + t * 8 + (lane >> 2)];
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int t = pw * kW + j0 + j;
+          uint4 lo, hi;
+          e4m3x16_to_bf16(in[j], fmt::ue8m0_to_float(sb[j]), lo, hi);
+          // Chunks 2 lane and 2 lane + 1 differ in bit 0 of the chunk, i.e. bit 4 of the offset.
+          const uint32_t first = sw_off(t, 2 * lane + swap, kT);
+          *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
+          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
+        }
+      }
+    } else {
+      // lanes 28-31: the 8 rope chunks (stored chunks 28-35 -> bf16 chunks 56-63), batched
+      // like the conversion
+#pragma unroll
+      for (int j0 = 0; j0 < kW; j0 += kBatch) {
+        uint4 v[kBatch][2];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int t = pw * kW + j0 + j;
+            v[j][h] = *reinterpret_cast<const uint4*>(raw + t * Cfg::kRawRowBytes +
+                                                      (lane + 4 * h) * 16);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          // Chunks lane + 28 and lane + 32 differ in bit 2 of the chunk: bit 6 of the offset.
+          const uint32_t first = sw_off(pw * kW + j0 + j, lane + 28, kT);
+          *reinterpret_cast<uint4*>(tile + first) = v[j][0];
+          *reinterpret_cast<uint4*>(tile + (first ^ 64u)) = v[j][1];
         }
       }
     }
@@ -553,8 +586,12 @@ struct Sm90Cta {
       }
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+      // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
+      // 128 multiplies unless a row of the warp moved.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+        for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+      }
 
       // P (16-bit) into shared memory: row r, tokens [c kN, (c + 1) kN).
       uint8_t* ps = p_smem();

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "src/cuda/common/check.h"
+#include "src/cuda/common/divider.h"
 #include "src/cuda/cuda_backend.h"
 #include "src/kv/format.h"
 
@@ -103,27 +104,6 @@ __device__ __forceinline__ bool slot_valid(int64_t slot, int64_t num_slots) {
 // store instruction of the warp covers one contiguous span. The warp issues the slot and source
 // loads of all its rows before any arithmetic, so the memory system always has several rows per
 // warp in flight instead of one row behind a dependent slot load.
-
-// n / d for 0 <= n < 2^31 with a multiply and a shift (Granlund-Montgomery, round-up multiplier):
-// the page of a slot, without a 64-bit division per token. d is clamped to 2^31, which gives page
-// 0 for every valid int32 slot, as the true division by a larger page size would.
-struct SlotDivider {
-  uint32_t d = 1, mul = 1, shift = 0;
-
-  static SlotDivider make(int64_t page_size) {
-    SlotDivider s;
-    s.d = static_cast<uint32_t>(std::min<int64_t>(page_size, int64_t{1} << 31));
-    while ((uint64_t{1} << s.shift) < s.d) ++s.shift;
-    // < 2^32 for every d <= 2^31: 2^shift < 2d, and a power of two gives exactly 1.
-    s.mul =
-        static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s.shift) - s.d)) / s.d + 1);
-    return s;
-  }
-  // mulhi(n, mul) < n, so the sum stays below 2^32 for n < 2^31.
-  __device__ __forceinline__ uint32_t quotient(uint32_t n) const {
-    return (__umulhi(n, mul) + n) >> shift;
-  }
-};
 
 struct QuantizeParams {
   const void* src;         // [n, d_qk] row stride src_row_stride elements, last dim contiguous

@@ -42,6 +42,7 @@ CacheRef cache_ref(const KVCache& kv) {
   c.num_slots = kv.num_pages * kv.page_size;
   c.page_size = static_cast<int32_t>(kv.page_size);
   c.num_pages = static_cast<int32_t>(kv.num_pages);
+  c.page_div = SlotDivider::make(kv.page_size);
   return c;
 }
 

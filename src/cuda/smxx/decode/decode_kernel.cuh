@@ -30,20 +30,36 @@ __device__ __forceinline__ int swz(int row, int chunk, int row_chunks) {
   return row * (row_chunks + 1) + chunk;
 }
 
+// Where a pair's raw values live: its index rows (sparse: main and extra cache) or its block
+// table row (dense, in `main`).
+struct PairRows {
+  const int32_t* main;
+  const int32_t* extra;
+};
+
+__device__ __forceinline__ PairRows pair_rows(const DecodeParams& p, int i, int sq) {
+  if (p.dense) return PairRows{p.block_table + i * p.block_table_stride[0], nullptr};
+  return PairRows{p.indices + i * p.indices_stride[0] + sq * p.indices_stride[1],
+                  p.extra_indices == nullptr
+                      ? nullptr
+                      : p.extra_indices + i * p.extra_indices_stride[0] +
+                            sq * p.extra_indices_stride[1]};
+}
+
 // The raw value behind token `pos` of a pair: a slot (sparse) or a page id (dense); -1 past the end.
-__device__ __forceinline__ int load_raw(const DecodeParams& p, const PairInfo& info, int i, int sq,
-                                        int pos) {
+__device__ __forceinline__ int load_raw(const DecodeParams& p, const PairInfo& info,
+                                        const PairRows& rows, int pos) {
   if (pos >= info.len) return -1;
   if (p.dense) {
-    return p.block_table[i * p.block_table_stride[0] +
-                         static_cast<int64_t>(pos / p.kv.page_size) * p.block_table_stride[1]];
+    return rows.main[static_cast<int64_t>(p.kv.page_div.quotient(pos)) * p.block_table_stride[1]];
   }
-  if (pos < info.n_main) {
-    return p.indices[i * p.indices_stride[0] + sq * p.indices_stride[1] +
-                     static_cast<int64_t>(pos) * p.indices_stride[2]];
-  }
-  return p.extra_indices[i * p.extra_indices_stride[0] + sq * p.extra_indices_stride[1] +
-                         static_cast<int64_t>(pos - info.n_main) * p.extra_indices_stride[2]];
+  if (pos < info.n_main) return rows.main[static_cast<int64_t>(pos) * p.indices_stride[2]];
+  return rows.extra[static_cast<int64_t>(pos - info.n_main) * p.extra_indices_stride[2]];
+}
+
+__device__ __forceinline__ int load_raw(const DecodeParams& p, const PairInfo& info, int i, int sq,
+                                        int pos) {
+  return load_raw(p, info, pair_rows(p, i, sq), pos);
 }
 
 // Row pointers of token `pos`; values outside the cache are never turned into an address.
@@ -54,15 +70,17 @@ __device__ __forceinline__ RowRef resolve(const DecodeParams& p, const PairInfo&
   if (raw < 0 || pos >= info.len) return r;
   const bool main = p.dense || pos < info.n_main;
   const CacheRef& c = main ? p.kv : p.extra;
+  // pos and raw are in [0, 2^31) here, the range of the divider.
   int64_t page, off;
   if (p.dense) {
     if (raw >= c.num_pages) return r;
     page = raw;
-    off = pos % c.page_size;
+    off = c.page_div.remainder(pos, c.page_div.quotient(pos));
   } else {
     if (raw >= c.num_slots) return r;
-    page = raw / c.page_size;
-    off = raw % c.page_size;
+    const uint32_t q = c.page_div.quotient(raw);
+    page = q;
+    off = c.page_div.remainder(raw, q);
   }
   const uint8_t* pg = c.base + page * c.page_stride;
   if constexpr (F == Fmt::kModel1) {

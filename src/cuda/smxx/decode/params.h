@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "src/cuda/common/divider.h"
+
 namespace sparse_mla::cuda::smxx::decode {
 
 // Start of a part on the cost line: the first tile it owns (pair, tile within the pair).
@@ -51,6 +53,7 @@ struct CacheRef {
   int64_t num_slots;    // num_pages * page_size
   int32_t page_size;
   int32_t num_pages;
+  SlotDivider page_div;  // by page_size
 };
 
 struct PlanParams {
