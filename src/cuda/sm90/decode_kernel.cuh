@@ -256,6 +256,7 @@ struct Sm90Cta {
     uint4 scales = load_scales(ref);
     int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
 
+    const auto* never_read = reinterpret_cast<const uint8_t*>(p.q);  // source of zero-fills (V32)
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -326,12 +327,9 @@ struct Sm90Cta {
             *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + 1 - swap, kT)) = swap ? lo : hi;
           }
           if (lane < 8) {
-            uint8_t* dst = tile + sw_off(t, kRopeDst + lane, kT);
-            if (row != nullptr) {
-              ptx::cp_async_16(dst, row + (kRopeSrc + lane) * 16);
-            } else {
-              *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
+            ptx::cp_async_16_zfill(tile + sw_off(t, kRopeDst + lane, kT),
+                                   row != nullptr ? row + (kRopeSrc + lane) * 16 : never_read,
+                                   row != nullptr);
           }
         } else {
 #pragma unroll
