@@ -39,11 +39,15 @@ for s in $steps; do
       step python bash -c "python3 -m pip install -q --no-build-isolation --no-deps . \
         -C cmake.define.SPARSE_MLA_CUDA_ARCHS='$archs' -C build-dir=build-py-gpu && \
         python3 -m pytest tests/python -q -rs" ;;
-    sanitize)
-      step sanitize bash tools/gpu_sanitize.sh $build_dir "$out" "${SANITIZE_FILTER:-CudaKV.*:CudaMerge.*:CudaSparseDecodeCorners.*:CudaDenseDecodeCorners.*:CudaGraph.*}" ;;
+    sanitize)  # the representative subset, on the portable and on the Hopper backend
+      filter=${SANITIZE_FILTER:-CudaKV.*:CudaMerge.*:CudaSparseDecodeCorners.*:CudaSparseDecodeLengths.*:CudaDenseDecodeCorners.*:CudaGraph.*}
+      step sanitize bash tools/gpu_sanitize.sh $build_dir "$out" "$filter"
+      step sanitize_sm90 env SPARSE_MLA_TEST_BACKEND=sm90 \
+        bash tools/gpu_sanitize.sh $build_dir "$out/sm90" "$filter" ;;
     run)
-      step run bash -c "$build_dir/tools/sparse-mla run --backend cuda && \
-        $build_dir/tools/sparse-mla run --backend cuda --model dsv4-pro --batch 64 --context 32768 --mtp" ;;
+      step run bash -c "$build_dir/tools/sparse-mla run && \
+        $build_dir/tools/sparse-mla run --model dsv4-pro --batch 64 --context 32768 --mtp && \
+        $build_dir/tools/sparse-mla run --backend cuda" ;;
     bench)
       step bench bash -c "$build_dir/tools/sparse-mla bench --out-dir '$out' ${BENCH_ARGS:-}" ;;
   esac
@@ -55,7 +59,9 @@ printf '%-10s %s\n' step result
 for s in $steps; do
   printf '%-10s %s\n' "$s" "${result[$s]:-skipped}"
   [ "$s" = test ] && printf '%-10s %s\n' test_sm90 "${result[test_sm90]:-skipped}"
+  [ "$s" = sanitize ] && printf '%-10s %s\n' sanitize_sm90 "${result[sanitize_sm90]:-skipped}"
 done
 grep -h -E "PASSED|FAILED" "$out/test.log" "$out/test_sm90.log" 2>/dev/null | tail -6
 cat "$out/sanitize_summary.txt" 2>/dev/null
+[ -f "$out/sm90/sanitize_summary.txt" ] && { echo "sm90 backend:"; cat "$out/sm90/sanitize_summary.txt"; }
 grep -h -E "passed|failed" "$out/python.log" 2>/dev/null | tail -1
