@@ -516,7 +516,7 @@ TensorView every_kth(TensorView t, int64_t k) {
 struct Runner {
   const Config& cfg;
   const Step& st;
-  Backend backend;  // kCPU or kCUDA after resolution
+  Backend backend;  // kCPU, kCUDA or kSM90 after resolution
 #if SPARSE_MLA_WITH_CUDA
   DeviceMirror* mirror = nullptr;
   cudaStream_t stream = nullptr;
@@ -589,6 +589,10 @@ struct Runner {
       return Status::Ok();
     }
 #if SPARSE_MLA_WITH_CUDA
+    if (mirror == nullptr) {
+      return Status::Internal(std::string("sparse-mla run: no device caches for backend ") +
+                              backend_name(backend));
+    }
     const int dev = 0;
     SparseDecodeArgs d = host;
     SPARSE_MLA_RETURN_IF_ERROR(mirror->upload(host.q, "q", &d.q));
@@ -606,7 +610,7 @@ struct Runner {
     SPARSE_MLA_RETURN_IF_ERROR(mirror->upload(*host.attn_sink, "attn_sink", &*d.attn_sink));
     SPARSE_MLA_RETURN_IF_ERROR(mirror->upload(host.out, "out", &d.out));  // NaN-poisoned
     SPARSE_MLA_RETURN_IF_ERROR(mirror->upload(host.lse, "lse", &d.lse));
-    const Options opts{Backend::kCUDA, stream};
+    const Options opts{backend, stream};
     WorkspaceSizes sizes;
     SPARSE_MLA_RETURN_IF_ERROR(sparse_decode_workspace_size(d, opts, &sizes));
     Workspace ws;
@@ -778,7 +782,7 @@ int run_command(int argc, char** argv) {
   std::unique_ptr<DeviceMirror> mirror;
   cudaStream_t stream = nullptr;
   std::string store_check;
-  if (backend == Backend::kCUDA) {
+  if (backend != Backend::kCPU) {  // cuda or sm90: caches on the GPU
     mirror = std::make_unique<DeviceMirror>(0);
     build = cuda_status(cudaSetDevice(0), "cudaSetDevice");
     if (build.ok()) build = cuda_status(cudaStreamCreate(&stream), "cudaStreamCreate");
