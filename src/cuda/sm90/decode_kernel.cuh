@@ -231,15 +231,17 @@ struct Sm90Cta {
     for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
       const int r = u / kChunks, ch = u % kChunks;
       uint8_t* dst = q_smem() + sw_off(r, ch, kRows);
+      // Padding rows are zero-filled by the copy too: every write to Q is a cp.async, so that
+      // the thread's one arrival on q_full can be the copies' completion.
+      const uint16_t* src = p.q;
       if (r < nrows) {
         int s, head;
         row_coords(row0 + r, sq, &s, &head);
-        const uint16_t* src = p.q + i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2];
-        ptx::cp_async_16(dst, src + ch * 8);
-      } else {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        src = p.q + i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2] + ch * 8;
       }
+      ptx::cp_async_16_zfill(dst, src, r < nrows);
     }
+    mbar_arrive_on_cp_async(q_full_bar());
   }
 
   __device__ void producer() {
@@ -289,8 +291,6 @@ struct Sm90Cta {
       if (cur.first()) {
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
         load_q(cur, tid);
-        mbar_arrive_after_cp_async(q_full_bar());
-        mbar_arrive(q_full_bar());
       }
 
       mbar_wait(empty_bar(st), phase ^ 1);
@@ -344,7 +344,8 @@ struct Sm90Cta {
         }
       }
       fence_proxy_async();
-      mbar_arrive_after_cp_async(full_bar(st));
+      // Two arrivals a thread: its stores (release) and its copies' completion.
+      mbar_arrive_on_cp_async(full_bar(st));
       mbar_arrive(full_bar(st));
 
       cur = nxt;
@@ -471,8 +472,6 @@ struct Sm90Cta {
       if (cur.first()) {
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
         load_q(cur, tid);
-        mbar_arrive_after_cp_async(q_full_bar());
-        mbar_arrive(q_full_bar());
       }
       ptx::cp_async_wait<Cfg::kRawStages - 1>();  // this thread's copies of tile `it` landed
       __syncwarp();                                // ... and those of the other lanes
@@ -716,7 +715,9 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
   cta.nrows = min(Cfg::kRows, p.rows_per_group - cta.row0);
   if (threadIdx.x == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
-      mbar_init(cta.full_bar(st), Cfg::kProducerThreads);
+      // Staged producers arrive once (their copies landed before the conversion); the others
+      // twice (stores, then copies).
+      mbar_init(cta.full_bar(st), (Cfg::kStaged ? 1 : 2) * Cfg::kProducerThreads);
       mbar_init(cta.empty_bar(st), 2);
     }
     mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);

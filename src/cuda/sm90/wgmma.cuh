@@ -26,9 +26,10 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
                : "memory");
 }
 
-// The phase of `bar` completes only after this thread's earlier cp.async copies have landed.
-__device__ __forceinline__ void mbar_arrive_after_cp_async(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(ptx::smem_addr(bar))
+// One arrival on `bar` by this thread, made when its earlier cp.async copies have landed (the
+// barrier's count includes it: .noinc).
+__device__ __forceinline__ void mbar_arrive_on_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ptx::smem_addr(bar))
                : "memory");
 }
 
