@@ -4,7 +4,8 @@
 # $OUT (or ./gpu-out); a short table is printed last.
 #   scripts/gpu_check.sh [steps...]   steps: build test python sanitize run bench (default: all)
 # Without the build step, build-gpu/ must hold binaries built for this GPU (e.g. built elsewhere
-# with -DSPARSE_MLA_CUDA_ARCHS=90a and carried along).
+# with -DSPARSE_MLA_CUDA_ARCHS=90a and carried along). The benchmark records SPARSE_MLA_COMMIT when
+# set: compute it where the repository lives (a copied tree's .git may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
