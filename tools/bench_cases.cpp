@@ -305,6 +305,17 @@ std::vector<Case> all_cases() {
       c.quick = n == 128 || (n == 1 << 16 && f == KVFormat::kModel1);
       add(c);
     }
+    Case c;  // a large prefill chunk: consecutive slots, whole pages
+    c.op = OpKind::kQuantizeStore;
+    c.format = f;
+    c.name = fmt("kv/quantize_store/%s/n%lld_consecutive", kv_format_name(f), 1LL << 20);
+    c.suite = "kv";
+    c.config = "quantize_store";
+    c.tokens = 1 << 20;
+    c.consecutive_slots = true;
+    c.b = 1;
+    c.page_size = 256;
+    add(c);
   }
   for (auto [from, to] : {std::pair<int64_t, int64_t>{256, 64}, {64, 256}}) {
     Case c;

@@ -44,6 +44,9 @@ struct Case {
   // KV kernels: quantize-store of `tokens` rows; repack of b requests of `context` tokens from
   // page_size pages to extra_page_size pages.
   int64_t tokens = 0;
+  // Quantize-store slots: distinct random slots of a cache twice as large (decode-like scatter),
+  // or consecutive slots from 0 (a prefill chunk filling whole pages).
+  bool consecutive_slots = false;
 
   std::optional<double> flashmla_us;  // FlashMLA's time on H200 (targets.md), when it has a row
   std::string flashmla_note;          // e.g. "padded to h_q=64"

@@ -282,12 +282,16 @@ Status build_store(const Case& c, Inputs* in) {
   ref::CacheConfig cc;
   cc.format = c.format;
   cc.page_size = c.page_size;
-  cc.num_pages = ceil_div(2 * n, c.page_size);
+  cc.num_pages = ceil_div(c.consecutive_slots ? n : 2 * n, c.page_size);
   in->dst_config = cc;
   in->slots = ref::make_tensor(DType::kInt32, {n});
-  std::vector<int64_t> scratch;
-  distinct_sample(rng, 0, cc.num_pages * c.page_size, n, static_cast<int32_t*>(in->slots.data()),
-                  scratch);
+  auto* slots = static_cast<int32_t*>(in->slots.data());
+  if (c.consecutive_slots) {
+    std::iota(slots, slots + n, 0);
+  } else {
+    std::vector<int64_t> scratch;
+    distinct_sample(rng, 0, cc.num_pages * c.page_size, n, slots, scratch);
+  }
   in->src = ref::make_tensor(DType::kBFloat16, {n, d_qk});
   auto* src = static_cast<uint16_t*>(in->src.data());
 #pragma omp parallel for schedule(static)

@@ -194,7 +194,8 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
       }
       o << "]";
     } else if (c.op == OpKind::kQuantizeStore) {
-      o << ", \"tokens\": " << c.tokens << ", \"page_size\": " << c.page_size;
+      o << ", \"tokens\": " << c.tokens << ", \"page_size\": " << c.page_size
+        << ", \"slots\": \"" << (c.consecutive_slots ? "consecutive" : "random") << "\"";
     } else {
       o << ", \"context\": " << c.context << ", \"page_size\": " << c.page_size
         << ", \"dst_page_size\": " << c.extra_page_size;
