@@ -96,6 +96,12 @@ __device__ __forceinline__ uint32_t sw_off(int row, int chunk, int rows) {
 
 #if SPARSE_MLA_SM90_DEVICE
 
+// A pair's request i and query token sq (dense: the request, sq 0).
+__device__ __forceinline__ void pair_coords(const DecodeParams& p, int pr, int* i, int* sq) {
+  *i = p.dense ? pr : pr / p.s_q;
+  *sq = p.dense ? 0 : pr - *i * p.s_q;
+}
+
 // Walks the tiles of one part in order, as the portable kernel does: pairs from the part's
 // start to its end, and within a pair its tiles [k0, k1). Small on purpose: the producers keep
 // three of them live.
@@ -129,8 +135,7 @@ struct TileCursor {
         k = k0 = kt;
         n_main = info.n_main;
         len = info.len;
-        i = p.dense ? pr : pr / p.s_q;
-        sq = p.dense ? 0 : pr - i * p.s_q;
+        pair_coords(p, pr, &i, &sq);
         return;
       }
       ++pr;
@@ -185,10 +190,6 @@ struct Sm90Cta {
   __device__ uint64_t* q_full_bar() const { return bar(2 * Cfg::kStages); }
   __device__ uint64_t* q_empty_bar() const { return bar(2 * Cfg::kStages + 1); }
 
-  __device__ void pair_coords(int pr, int* i, int* sq) const {
-    *i = p.dense ? pr : pr / p.s_q;
-    *sq = p.dense ? 0 : pr - *i * p.s_q;
-  }
   // Query row `lr` of the CTA's group -> (query token, head).
   __device__ void row_coords(int lr, int sq, int* s, int* head) const {
     if (p.dense) {
@@ -227,7 +228,7 @@ struct Sm90Cta {
 
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
     int i, sq;
-    pair_coords(c.pr, &i, &sq);
+    pair_coords(p, c.pr, &i, &sq);
     for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
       const int r = u / kChunks, ch = u % kChunks;
       uint8_t* dst = q_smem() + sw_off(r, ch, kRows);
@@ -642,7 +643,7 @@ struct Sm90Cta {
     }
     const PairInfo info = p.pairs[cur.pr];
     int i, sq;
-    pair_coords(cur.pr, &i, &sq);
+    pair_coords(p, cur.pr, &i, &sq);
     if (info.nsplit <= 1) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
