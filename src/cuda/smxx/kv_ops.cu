@@ -228,7 +228,7 @@ __device__ __forceinline__ void store_token(const QuantizeParams& p, int64_t slo
   constexpr int kG = L::kG;
   const uint32_t s = static_cast<uint32_t>(slot);  // valid slots are int32 values >= 0
   const uint32_t page = p.page_div.quotient(s);
-  const uint32_t t = s - page * p.page_div.d;
+  const uint32_t t = p.page_div.remainder(s, page);
   uint8_t* base = p.cache + static_cast<int64_t>(page) * p.page_stride;
   uint8_t* data = base + static_cast<int64_t>(t) * L::kRowBytes;
 
