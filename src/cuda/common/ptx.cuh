@@ -34,6 +34,21 @@ __device__ __forceinline__ void cp_async_8_zfill(void* smem, const void* gmem, b
                "r"(valid ? 8 : 0));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops on older GPUs, where the dependent grid is
+// launched the usual way). A primary grid lets its dependent grid start launching early; the
+// dependent waits for the primary grid's completion (and memory) before it reads its results.
+__device__ __forceinline__ void launch_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_primary_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int kPending>

@@ -229,6 +229,8 @@ struct Sm90Cta {
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
     int i, sq;
     pair_coords(p, c.pr, &i, &sq);
+    // Not unrolled: the unrolled copies' addresses and predicates spilled at 80-88 registers.
+#pragma unroll 1
     for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
       const int r = u / kChunks, ch = u % kChunks;
       uint8_t* dst = q_smem() + sw_off(r, ch, kRows);
@@ -701,6 +703,8 @@ template <Fmt F>
 __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
     sm90_decode_kernel(const __grid_constant__ DecodeParams p) {
 #if SPARSE_MLA_SM90_DEVICE
+  // The combine kernel may start launching now; it waits for this grid before reading partials.
+  ptx::launch_dependent_grids();
   using Cfg = Sm90Config<F>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = ptx::smem_addr(smem_raw);

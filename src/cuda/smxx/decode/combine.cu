@@ -4,11 +4,14 @@
 //
 // A CTA owns kRows query rows x kDims output dims of one pair; each row gets kW warps that take
 // interleaved parts (warp g: parts g, g + kW, ...) and are summed in shared memory in warp order.
-// The host picks the layout from the shapes alone (pick_layout): with few pairs and many parts
-// (a long request split into hundreds of parts) wide layouts, up to 8 warps a row and 128 dims a
-// CTA, spread each split pair over many SMs with many loads in flight; with many pairs
-// (DeepSeek-V4 batches: a split pair has 2-4 parts) one warp walks all parts of a row, the
-// cheapest there.
+// The host picks the layout from the shapes alone (pick_layout): the warps of a row follow the
+// expected split (a few parts each); a long request split into hundreds of parts gets wide
+// layouts, 8 warps a row and down to 128 dims a CTA, spreading it over many SMs with many loads
+// in flight; with many pairs (DeepSeek-V4 batches: a split pair has 2-4 parts) one warp walks
+// all parts of a row, the cheapest there.
+//
+// Launched as a programmatic dependent of the attention kernel (sm_90+): CTAs of unsplit pairs
+// exit without waiting, the others wait for the attention grid before reading its partials.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,10 +40,10 @@ struct CombineLayout {
 constexpr CombineLayout kLayouts[] = {{8, 1, "w8d128"}, {8, 2, "w8d256"}, {8, 4, "w8d512"},
                                       {4, 4, "w4d512"}, {2, 4, "w2d512"}, {1, 4, "w1d512"}};
 constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
-// Wide layouts only when the average pair is split into more parts than one warp loads at once
-// (num_parts >= kWideSplit * num_pairs), and only while the grid needs at most kMaxWideCtas CTAs
-// (about two waves at 2 CTAs per SM on H100/H200), so that short splits keep the one-warp path.
-constexpr int64_t kWideSplit = 3;
+// Measured on H200 (MODEL1 s_q 2, b 2: a pair split into 11-17 parts): 2-4 warps a row beat 8
+// by 1.5-2 us. Dims are split (several CTAs a row) only while the grid needs at most kMaxWideCtas
+// CTAs (about two waves at 2 CTAs per SM on H100/H200).
+constexpr double kPartsPerWarp = 2.5;
 constexpr int64_t kMaxWideCtas = 512;
 
 template <bool kFP16, int kW, int kVec>
@@ -55,6 +58,8 @@ __global__ void __launch_bounds__(kCombineThreads, 2)
   const int n = info.nsplit;
   if (n <= 1) return;
   if (info.slot < 0 || static_cast<int64_t>(info.slot) + n > p.max_slots) return;
+  // The plan was complete before the attention kernel started; its partials are not yet.
+  ptx::wait_primary_grids();
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = warp % kW;
@@ -214,16 +219,27 @@ __global__ void __launch_bounds__(kCombineThreads, 2)
 }
 
 template <bool kFP16, int kW, int kVec>
-void launch_layout(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
+cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
   constexpr int kRows = kCombineWarps / kW;
   const dim3 grid(static_cast<unsigned>(shape.num_pairs),
                   static_cast<unsigned>((shape.rows_per_pair + kRows - 1) / kRows),
                   static_cast<unsigned>(4 / kVec));
-  combine_kernel<kFP16, kW, kVec><<<grid, kCombineThreads, 0, stream>>>(params);
+  // A programmatic dependent of the attention kernel where the GPU supports it: its launch
+  // overlaps the attention kernel's tail.
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kCombineThreads);
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = shape.dependent_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kW, kVec>, params);
 }
 
 template <bool kFP16>
-void launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
+cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
                 cudaStream_t stream) {
   switch (layout) {
     case 0: return launch_layout<kFP16, 8, 1>(shape, params, stream);
@@ -235,8 +251,9 @@ void launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params
   }
 }
 
-// The widest layout whose grid stays within kMaxWideCtas, from the shapes alone. No pair can be
-// split into more parts than there are parts or slots: more warps a row than that would idle.
+// From the shapes alone. Whole rows (512 dims) with as many warps a row as give each warp about
+// kPartsPerWarp parts of the expected split (more warps only add a shared-memory reduction);
+// with 8 warps a row, the widest layout whose grid stays within kMaxWideCtas.
 int pick_layout(const DecodeShape& shape) {
   // Test hook: SPARSE_MLA_COMBINE_LAYOUT=w8d128|w8d256|w8d512|w4d512|w2d512|w1d512 forces one.
   if (const char* env = std::getenv("SPARSE_MLA_COMBINE_LAYOUT")) {
@@ -244,15 +261,16 @@ int pick_layout(const DecodeShape& shape) {
       if (std::strcmp(env, kLayouts[c].name) == 0) return c;
     }
   }
-  if (shape.num_parts < kWideSplit * shape.num_pairs) return kNumLayouts - 1;
-  const int64_t max_split = shape.num_parts < shape.max_slots ? shape.num_parts : shape.max_slots;
+  const double parts_per_pair = static_cast<double>(shape.busy_parts) / shape.num_pairs;
+  int warps = 1;
+  while (warps < 8 && parts_per_pair >= 2 * warps * kPartsPerWarp) warps *= 2;
   for (int c = 0; c < kNumLayouts - 1; ++c) {
     const CombineLayout& l = kLayouts[c];
-    if (l.warps_per_row > max_split) continue;
+    if (l.warps_per_row != warps) continue;
     const int64_t rows = kCombineWarps / l.warps_per_row;
     const int64_t ctas = static_cast<int64_t>(shape.num_pairs) *
                          ((shape.rows_per_pair + rows - 1) / rows) * (4 / l.vec);
-    if (ctas <= kMaxWideCtas) return c;
+    if (ctas <= kMaxWideCtas || l.vec == 4) return c;
   }
   return kNumLayouts - 1;
 }
@@ -262,11 +280,9 @@ int pick_layout(const DecodeShape& shape) {
 Status launch_combine(const DecodeShape& shape, const DecodeParams& params, bool fp16_out,
                       cudaStream_t stream) {
   const int layout = pick_layout(shape);
-  if (fp16_out) {
-    launch_fmt<true>(layout, shape, params, stream);
-  } else {
-    launch_fmt<false>(layout, shape, params, stream);
-  }
+  const cudaError_t err = fp16_out ? launch_fmt<true>(layout, shape, params, stream)
+                                   : launch_fmt<false>(layout, shape, params, stream);
+  if (err != cudaSuccess) return cuda_status(err, "sparse_mla decode combine");
   return check_launch("sparse_mla decode combine");
 }
 

@@ -74,8 +74,8 @@ PlanParams plan_params(const DecodeShape& s, const Workspace& ws) {
   pp.num_pairs = s.num_pairs;
   pp.num_parts = s.num_parts;
   pp.tile_tokens = s.kernel.tile_tokens;
-  pp.overhead_tiles = std::max(1, smxx::decode::kOverheadTokens / s.kernel.tile_tokens);
-  pp.min_tiles_per_part = std::max(1, smxx::decode::kMinTokensPerPart / s.kernel.tile_tokens);
+  pp.overhead_tiles = s.overhead_tiles;
+  pp.min_tiles_per_part = s.min_tiles_per_part;
   auto* base = static_cast<uint8_t*>(ws.plan);
   pp.parts = reinterpret_cast<PartStart*>(base + s.plan.parts_offset);
   pp.pairs = reinterpret_cast<PairInfo*>(base + s.plan.pairs_offset);

@@ -489,6 +489,8 @@ struct DecodeCta {
 template <Fmt F, TileCfg C>
 __global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
     decode_kernel(const __grid_constant__ DecodeParams p) {
+  // The combine kernel may start launching now; it waits for this grid before reading partials.
+  ptx::launch_dependent_grids();
   extern __shared__ __align__(128) uint8_t smem[];
   using Cta = DecodeCta<F, C>;
   Cta cta{p, smem};

@@ -19,6 +19,7 @@ namespace {
 struct DeviceInfo {
   int sm_count = 0;
   int max_smem_optin = 0;
+  int cc_major = 0;
 };
 
 // Runs f with `device` current, restoring the caller's device.
@@ -49,6 +50,8 @@ Status device_info(int device, DeviceInfo* info) {
       cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
   SPARSE_MLA_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&d.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, device));
   cache[device] = d;
   *info = d;
   return Status::Ok();
@@ -189,6 +192,16 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // One wave of CTAs over all row blocks.
   const int64_t slots = static_cast<int64_t>(dev.sm_count) * ctas_per_sm;
   s.num_parts = static_cast<int>(std::max<int64_t>(1, slots / row_blocks));
+  s.overhead_tiles = std::max(1, kOverheadTokens / k.tile_tokens);
+  s.min_tiles_per_part = std::max(1, kMinTokensPerPart / k.tile_tokens);
+  s.busy_parts = s.num_parts;
+  if (max_len > 0) {
+    const int64_t cost = num_pairs * (s.overhead_tiles + (max_len + k.tile_tokens - 1) /
+                                                             k.tile_tokens);
+    s.busy_parts = std::min<int64_t>(s.busy_parts, (cost + s.min_tiles_per_part - 1) /
+                                                       s.min_tiles_per_part);
+  }
+  s.dependent_launch = dev.cc_major >= 9;
   s.max_slots = static_cast<int>(
       std::min<int64_t>(2 * static_cast<int64_t>(s.num_parts), num_pairs + s.num_parts));
   s.plan = plan_layout(s.num_parts, num_pairs);

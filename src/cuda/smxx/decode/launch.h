@@ -40,6 +40,10 @@ struct DecodeShape {
   int num_pairs = 0;
   int rows_per_pair = 0;
   int num_parts = 0;  // grid.x
+  int64_t busy_parts = 0;  // parts that can get work: num_parts, fewer for short token lists
+  int overhead_tiles = 0;      // planner cost line, in tiles of the kernel (kOverheadTokens)
+  int min_tiles_per_part = 0;  // (kMinTokensPerPart)
+  bool dependent_launch = false;  // combine as a programmatic dependent launch (sm_90+)
   int max_slots = 0;
   PlanLayout plan;
   int64_t part_lse_offset = 0;  // in scratch, after the fp32 partial outputs
