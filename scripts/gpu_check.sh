@@ -33,8 +33,10 @@ for s in $steps; do
     test)  # the whole gtest binary (CPU and GPU tests); GPU tests must not skip here
       step test bash -c "$build_dir/tests/cpp/sparse_mla_tests --gtest_brief=1 && \
         ! $build_dir/tests/cpp/sparse_mla_tests --gtest_filter='Cuda*:*/Cuda*' | grep -q SKIPPED"
-      # the GPU tests again on the Hopper backend (fails where sm90 is not usable)
-      step test_sm90 bash -c "SPARSE_MLA_TEST_BACKEND=sm90 $build_dir/tests/cpp/sparse_mla_tests \
+      # the GPU tests again on the Hopper backend (fails where sm90 is not usable), its kernel
+      # also on the small test shapes that the library would route to the portable kernels
+      step test_sm90 bash -c "SPARSE_MLA_TEST_BACKEND=sm90 SPARSE_MLA_SM90_SMALL_BATCHES=1 \
+        $build_dir/tests/cpp/sparse_mla_tests \
         --gtest_brief=1 --gtest_filter='Cuda*:*/Cuda*'" ;;
     python)
       step python bash -c "python3 -m pip install -q --no-build-isolation --no-deps . \
@@ -43,7 +45,7 @@ for s in $steps; do
     sanitize)  # the representative subset, on the portable and on the Hopper backend
       filter=${SANITIZE_FILTER:-CudaKV.*:CudaMerge.*:CudaSparseDecodeCorners.*:CudaSparseDecodeLengths.*:CudaDenseDecodeCorners.*:CudaGraph.*}
       step sanitize bash tools/gpu_sanitize.sh $build_dir "$out" "$filter"
-      step sanitize_sm90 env SPARSE_MLA_TEST_BACKEND=sm90 \
+      step sanitize_sm90 env SPARSE_MLA_TEST_BACKEND=sm90 SPARSE_MLA_SM90_SMALL_BATCHES=1 \
         bash tools/gpu_sanitize.sh $build_dir "$out/sm90" "$filter" ;;
     run)
       step run bash -c "$build_dir/tools/sparse-mla run && \
