@@ -173,20 +173,29 @@ struct DecodeCta {
     }
   }
 
-  // FP8 stage -> bf16 tile (scales applied; rope copied).
+  // FP8 stage -> bf16 tile (scales applied; rope copied). Thread tid owns token tid / kTPT and
+  // its chunks tid % kTPT + kTPT * k: no division, and one 8-byte footer load a token.
   __device__ void convert_tile(int t) {
+    static_assert(kThreads % kT == 0 && (kThreads / kT) % 4 == 0, "whole 4-chunk scale groups");
+    constexpr int kTPT = kThreads / kT;
     const uint8_t* st = stage_smem(t);
     uint4* tile = reinterpret_cast<uint4*>(tile_smem());
-    constexpr int kUnits = kT * Tr::kConvUnits;
-#pragma unroll 2
-    for (int u = tid; u < kUnits; u += kThreads) {
-      const int j = u / Tr::kConvUnits, c = u % Tr::kConvUnits;
-      const uint8_t* row = st + j * Tr::kRowBytes;
+    const int j = tid / kTPT, sub = tid % kTPT;
+    const uint8_t* row = st + j * Tr::kRowBytes;
+    uint2 scales{};
+    if constexpr (F == Fmt::kModel1) {
+      scales = *reinterpret_cast<const uint2*>(st + Cfg::kStageRowBytes + j * 8);
+    }
+#pragma unroll
+    for (int k = 0; k < (Tr::kConvUnits + kTPT - 1) / kTPT; ++k) {
+      const int c = sub + kTPT * k;
       if (c < Tr::kFP8Chunks) {
         const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
         float scale;
         if constexpr (F == Fmt::kModel1) {
-          scale = fmt::ue8m0_to_float(st[Cfg::kStageRowBytes + j * 8 + c / 4]);
+          const int b = c / 4;  // scale byte of this chunk's 64 dims
+          const uint32_t word = b < 4 ? scales.x : scales.y;
+          scale = fmt::ue8m0_to_float(static_cast<uint8_t>(word >> (8 * (b % 4))));
         } else {
           scale = *reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset + 4 * (c / 8));
         }
@@ -194,7 +203,7 @@ struct DecodeCta {
         e4m3x16_to_bf16(raw, scale, lo, hi);
         tile[swz(j, 2 * c, kTC)] = lo;
         tile[swz(j, 2 * c + 1, kTC)] = hi;
-      } else {
+      } else if (c < Tr::kConvUnits) {
         // rope: MODEL1 chunks 28..35 -> tile chunks 56..63; V32 chunks 33..40 -> 64..71
         const int src = F == Fmt::kModel1 ? c : c + 1;
         const int dst = F == Fmt::kModel1 ? c + 28 : c + 32;
@@ -220,22 +229,23 @@ struct DecodeCta {
     const int sq = p.dense ? 0 : pr % p.s_q;
     const int n = k1 - k0;
 
-    // ---- prologue: Q, rows of tiles 0..kPD, copies of tiles 0..kPD-1 ----
-    load_q(i, sq);
+    // ---- prologue: rows of tiles 0..kPD, Q, copies of tiles 0..kPD-1 ----
+    // The index loads go out before the Q copies, which would otherwise queue ahead of them:
+    // at small batches this chain (indices, then rows) is most of a CTA's time.
     constexpr int kPrologueThreads = ((kPD + 1) * kT + 31) / 32 * 32;
-    if (tid < kPrologueThreads) {
-      const int k = tid / kT, j = tid % kT;
-      const bool active = k <= kPD;
-      RowRef ref{nullptr, nullptr};
-      if (active && k < n) {
-        const int pos = (k0 + k) * kT + j;
-        ref = resolve<F>(p, info, grp, pos, load_raw(p, info, i, sq, pos));
-      }
-      store_tile_rows(k, j, active, ref);
-    }
+    const int pk = tid / kT, pj = tid % kT;  // prologue thread: token pj of tile pk
+    const bool prologue = tid < kPrologueThreads && pk <= kPD && pk < n;
+    const int ppos = (k0 + pk) * kT + pj;
+    const int praw = prologue ? load_raw(p, info, i, sq, ppos) : -1;
     int pending = -1;  // raw value of this lane's token in the next tile to resolve
     if (warp == 0 && lane < kT && kPD + 1 < n) {
       pending = load_raw(p, info, i, sq, (k0 + kPD + 1) * kT + lane);
+    }
+    load_q(i, sq);
+    if (tid < kPrologueThreads) {
+      RowRef ref{nullptr, nullptr};
+      if (prologue) ref = resolve<F>(p, info, grp, ppos, praw);
+      store_tile_rows(pk, pj, pk <= kPD, ref);
     }
     __syncthreads();
 #pragma unroll
@@ -367,12 +377,16 @@ struct DecodeCta {
       }
       l[rr] = l[rr] * alpha[rr] + sum;
     }
+    // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
+    // multiplies unless a row of the warp moved.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
-      o[nt][0] *= alpha[0];
-      o[nt][1] *= alpha[0];
-      o[nt][2] *= alpha[1];
-      o[nt][3] *= alpha[1];
+      for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+      }
     }
 
     // O += P V over this warp's output slice; V = the first 512 dims of the tile.
@@ -464,23 +478,50 @@ struct DecodeCta {
       const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
       if (slot < 0 || slot >= p.max_slots) return;
       const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+      float inv[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_base + 8 * rr;
-        if (r >= nrows) continue;
         const bool empty = l[rr] == 0.f;
-        const float inv = empty ? 0.f : 1.f / l[rr];
-        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
-        float* dst = p.part_out + prow * kDV;
+        inv[rr] = empty ? 0.f : 1.f / l[rr];
+        if (r < nrows && dw == 0 && (lane & 3) == 0) {
+          p.part_lse[static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r] =
+              empty ? -INFINITY : m[rr] + log2f(l[rr]);
+        }
+      }
+      // The rows go out through shared memory so that each store writes whole 128-byte lines
+      // (a fragment store touches 8 rows): kCC columns a round, staged in this warp's share of
+      // its row group's Q rows, which no warp reads after the group's last S reduction barrier.
+      constexpr int kCC = kDW == 2 ? 64 : 32;
+      constexpr int kSP = kCC + 8;      // staging pitch (floats): rows 8 banks apart
+      constexpr int kLPR = kCC / 4;     // lanes a row on the way out, a float4 each
+      constexpr int kRPI = 32 / kLPR;   // rows a store instruction
+      static_assert(kDW * 16 * kSP * 4 <= 16 * Cfg::kPitch, "staging fits the group's Q rows");
+      float* stage = reinterpret_cast<float*>(q_smem() + mt * 16 * Cfg::kPitch) + dw * 16 * kSP;
+      const int lr = lane >> 2;  // this thread's rows in the group: lr, lr + 8
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kPVTiles; ++nt) {
-          const int col = dw * Cfg::kPVSlice + nt * 8 + 2 * (lane & 3);
-          *reinterpret_cast<float2*>(dst + col) =
-              make_float2(o[nt][2 * rr] * inv, o[nt][2 * rr + 1] * inv);
+      for (int rnd = 0; rnd < Cfg::kPVSlice / kCC; ++rnd) {
+#pragma unroll
+        for (int t8 = 0; t8 < kCC / 8; ++t8) {
+          const int nt = rnd * (kCC / 8) + t8;
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            *reinterpret_cast<float2*>(stage + (lr + 8 * rr) * kSP + t8 * 8 + 2 * (lane & 3)) =
+                make_float2(o[nt][2 * rr] * inv[rr], o[nt][2 * rr + 1] * inv[rr]);
+          }
         }
-        if (dw == 0 && (lane & 3) == 0) {
-          p.part_lse[prow] = empty ? -INFINITY : m[rr] + log2f(l[rr]);
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 16 / kRPI; ++it) {
+          const int r = it * kRPI + lane / kLPR;
+          const int c = 4 * (lane % kLPR);
+          if (mt * 16 + r < nrows) {
+            const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + mt * 16 + r;
+            *reinterpret_cast<float4*>(p.part_out + prow * kDV + dw * Cfg::kPVSlice + rnd * kCC + c) =
+                *reinterpret_cast<const float4*>(stage + r * kSP + c);
+          }
         }
+        __syncwarp();
       }
     }
   }
