@@ -61,6 +61,41 @@ void upload_cache(gpu_test::DeviceKV& dst, const ref::HostCache& src) {
   dst.buffer.upload(src.desc().data, gpu_test::kv_bytes(src.desc()));
 }
 
+// Captures the step as an engine does: the plan once from the first layer's arguments (the
+// layers share the step's lengths), then every layer's decode. *ws must outlive the graph.
+template <typename Dev, typename SizeFn, typename PlanFn, typename RunFn>
+::testing::AssertionResult capture_step(const Stream& stream,
+                                        const std::vector<std::unique_ptr<Dev>>& dev,
+                                        SizeFn size_fn, PlanFn plan_fn, RunFn run_fn,
+                                        std::unique_ptr<DeviceWorkspace>* ws, Graph* graph) {
+  const Options o = stream.options();
+  WorkspaceSizes sizes;
+  const Status st = size_fn(dev[0]->args, o, &sizes);
+  if (!st.ok()) return ::testing::AssertionFailure() << st.to_string();
+  *ws = std::make_unique<DeviceWorkspace>(sizes);
+  return graph->capture(stream, [&]() -> Status {
+    SPARSE_MLA_RETURN_IF_ERROR(plan_fn(dev[0]->args, (*ws)->ws, o));
+    for (const auto& d : dev) SPARSE_MLA_RETURN_IF_ERROR(run_fn(d->args, (*ws)->ws, o));
+    return Status::Ok();
+  });
+}
+
+// Downloads every layer's outputs (host copies poisoned first) and compares them with the fp64
+// reference.
+template <typename Case, typename Dev, typename RefFn>
+void check_layers(std::vector<Case>& layers, const std::vector<std::unique_ptr<Dev>>& dev,
+                  RefFn reference, const ref::Tolerance& tol, const std::string& what) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    SCOPED_TRACE(what + ", layer " + std::to_string(l));
+    layers[l].poison_outputs();
+    dev[l]->download(layers[l]);
+    const ref::RefOutput r = reference(layers[l].args());
+    const ref::CompareResult res =
+        ref::compare_outputs(layers[l].out.view(), layers[l].lse.view(), r, tol);
+    EXPECT_TRUE(res.ok) << res.summary();
+  }
+}
+
 void set_lengths(ref::SparseCase& c, const std::vector<int32_t>& main,
                  const std::vector<int32_t>& extra) {
   for (size_t i = 0; i < main.size(); ++i) c.topk_length.set({static_cast<int64_t>(i)}, main[i]);
@@ -119,29 +154,12 @@ TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdates) {
   }
 
   Stream stream;
-  const Options o = stream.options();
-  WorkspaceSizes sizes;
-  ASSERT_TRUE(sparse_decode_workspace_size(dev[0]->args, o, &sizes).ok());
-  DeviceWorkspace ws(sizes);
+  std::unique_ptr<DeviceWorkspace> ws;
   Graph graph;
-  ASSERT_TRUE(graph.capture(stream, [&]() -> Status {
-    SPARSE_MLA_RETURN_IF_ERROR(sparse_decode_plan(dev[0]->args, ws.ws, o));
-    for (int l = 0; l < kLayers; ++l) {
-      SPARSE_MLA_RETURN_IF_ERROR(sparse_decode(dev[l]->args, ws.ws, o));
-    }
-    return Status::Ok();
-  }));
-
+  ASSERT_TRUE(capture_step(stream, dev, sparse_decode_workspace_size, sparse_decode_plan,
+                           sparse_decode, &ws, &graph));
   auto check_all = [&](const char* what) {
-    for (int l = 0; l < kLayers; ++l) {
-      SCOPED_TRACE(std::string(what) + ", layer " + std::to_string(l));
-      layers[l].poison_outputs();
-      dev[l]->download(layers[l]);
-      const ref::RefOutput r = ref::sparse_decode_reference(layers[l].args());
-      const ref::CompareResult res = ref::compare_outputs(
-          layers[l].out.view(), layers[l].lse.view(), r, ref::Tolerance::sparse());
-      EXPECT_TRUE(res.ok) << res.summary();
-    }
+    check_layers(layers, dev, ref::sparse_decode_reference, ref::Tolerance::sparse(), what);
   };
 
   for (auto& d : dev) d->poison_outputs();
@@ -197,28 +215,12 @@ TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
     dev[l]->args.cache_seqlens = dev[0]->args.cache_seqlens;
   }
   Stream stream;
-  const Options o = stream.options();
-  WorkspaceSizes sizes;
-  ASSERT_TRUE(dense_decode_workspace_size(dev[0]->args, o, &sizes).ok());
-  DeviceWorkspace ws(sizes);
+  std::unique_ptr<DeviceWorkspace> ws;
   Graph graph;
-  ASSERT_TRUE(graph.capture(stream, [&]() -> Status {
-    SPARSE_MLA_RETURN_IF_ERROR(dense_decode_plan(dev[0]->args, ws.ws, o));
-    for (int l = 0; l < kLayers; ++l) {
-      SPARSE_MLA_RETURN_IF_ERROR(dense_decode(dev[l]->args, ws.ws, o));
-    }
-    return Status::Ok();
-  }));
+  ASSERT_TRUE(capture_step(stream, dev, dense_decode_workspace_size, dense_decode_plan,
+                           dense_decode, &ws, &graph));
   auto check_all = [&](const char* what) {
-    for (int l = 0; l < kLayers; ++l) {
-      SCOPED_TRACE(std::string(what) + ", layer " + std::to_string(l));
-      layers[l].poison_outputs();
-      dev[l]->download(layers[l]);
-      const ref::RefOutput r = ref::dense_decode_reference(layers[l].args());
-      const ref::CompareResult res = ref::compare_outputs(
-          layers[l].out.view(), layers[l].lse.view(), r, ref::Tolerance::dense());
-      EXPECT_TRUE(res.ok) << res.summary();
-    }
+    check_layers(layers, dev, ref::dense_decode_reference, ref::Tolerance::dense(), what);
   };
   for (auto& d : dev) d->poison_outputs();
   ASSERT_TRUE(graph.replay(stream));

@@ -13,7 +13,7 @@
 
 namespace sparse_mla::cuda::smxx::decode {
 
-// One compiled attention kernel (instantiations/*.cu).
+// One compiled attention kernel (instantiations/).
 struct KernelEntry {
   const void* fn = nullptr;
   int threads = 0;
