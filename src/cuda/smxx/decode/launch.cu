@@ -123,7 +123,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // with enough work the 64-row tiles win (C1 s_q=1 b=256: 185 us against 275 us; s_q=2 b=64:
   // 92 us against 146 us), as each K tile is dequantized once for 64 heads.
   bool small_batch = false;
-  if (rows_per_group > 32 && max_len > 0) {
+  if (rows_per_group > 16 && max_len > 0) {
     const int64_t tiles = (max_len + 31) / 32;
     const int64_t blocks64 = (rows_per_group + 63) / 64 * groups;
     if (num_pairs * tiles * blocks64 < 2 * static_cast<int64_t>(dev.sm_count)) {
@@ -159,15 +159,18 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
       break;
     }
   }
-  // The Hopper kernel computes 64 rows per CTA; with 32 rows or fewer the portable tiles pad less,
-  // and small batches (above) finish sooner on 32-row portable CTAs (H200, MODEL1 b = 2: 17-18 us
-  // against 19-21 us on the 6 rows this rule routes; the h_q 128 s_q 2 rows are not small by it
+  // The Hopper kernel computes 64 rows per CTA. With 17-32 rows it still beats the portable
+  // 32-row tiles despite the padding (H200, b = 128, h_q 32: sparse MODEL1 C1 97 us against
+  // 126 us, dense bf16 s_k 16384 708 us against 1157 us); with 16 rows or fewer the portable
+  // 16-row tiles are as fast or faster (h_q 16: 74 against 95 us, 696 against 691 us). Small
+  // batches (above) finish sooner on 32-row portable CTAs (H200, MODEL1 b = 2: 17-18 us against
+  // 19-21 us on the 6 h_q 64 rows this rule routes; the h_q 128 s_q 2 rows are not small by it
   // and stay on the Hopper kernel, which is as fast or faster there). Test hook:
   // SPARSE_MLA_SM90_SMALL_BATCHES=1 keeps small batches on the Hopper kernel, so that the small
   // shapes of the GPU tests cover it.
   const char* sm90_small = std::getenv("SPARSE_MLA_SM90_SMALL_BATCHES");
   const bool keep_small = sm90_small != nullptr && std::string(sm90_small) == "1";
-  const bool use_sm90 = sm90 && rows_per_group > 32 && !force && (!small_batch || keep_small);
+  const bool use_sm90 = sm90 && rows_per_group > 16 && !force && (!small_batch || keep_small);
   if (use_sm90) {
     k = sm90::kernel_entry(fmt);
     if (k.smem_bytes > dev.max_smem_optin) k = KernelEntry{};
