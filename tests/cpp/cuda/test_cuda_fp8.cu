@@ -29,22 +29,25 @@ bool same_bf16(uint16_t got, uint16_t want) {
   return got_nan || want_nan ? got_nan == want_nan : got == want;
 }
 
-// Runs convert_all and compares every output with float_to_bf16(e4m3 * scale of its group).
-void check_all(const std::vector<float>& scales) {
+TEST(CudaFP8, EveryCodeUnderFp32ScalesRoundsOnce) {
+  SKIP_WITHOUT_GPU();
   std::vector<uint8_t> codes(256);
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
-  gpu_test::DeviceBuffer d_codes(256), d_scales(256 * sizeof(float)), d_out(256 * 256 * 2);
-  ASSERT_EQ(cudaMemcpy(d_codes.data(), codes.data(), 256, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_scales.data(), scales.data(), 256 * sizeof(float), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemset(d_out.data(), 0xff, 256 * 256 * 2), cudaSuccess);  // poison
+  std::vector<float> scales(256);
+  for (int g = 0; g < 256; ++g) {
+    // powers of two across the range, then arbitrary fp32 scales (the product rounds to bf16)
+    scales[g] = g < 128 ? fmt::ue8m0_to_float(static_cast<uint8_t>(g * 2))
+                        : 1e-3f * static_cast<float>(g) / 7.f;
+  }
+  const gpu_test::DeviceBuffer d_codes = gpu_test::to_device(codes);
+  const gpu_test::DeviceBuffer d_scales = gpu_test::to_device(scales);
+  gpu_test::DeviceBuffer d_out(256 * 256 * 2);
+  d_out.fill(0xff);  // poison
   convert_all<<<16, 256>>>(static_cast<const uint4*>(d_codes.data()),
                            static_cast<const float*>(d_scales.data()),
                            static_cast<uint4*>(d_out.data()));
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  std::vector<uint16_t> out(256 * 256);
-  ASSERT_EQ(cudaMemcpy(out.data(), d_out.data(), out.size() * 2, cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  const std::vector<uint16_t> out = d_out.to_vector<uint16_t>();
   int bad = 0;
   for (int g = 0; g < 256; ++g) {
     for (int c = 0; c < 256; ++c) {
@@ -58,17 +61,6 @@ void check_all(const std::vector<float>& scales) {
     }
   }
   EXPECT_EQ(bad, 0) << "of 65536 conversions";
-}
-
-TEST(CudaFP8, EveryCodeUnderFp32ScalesRoundsOnce) {
-  SKIP_WITHOUT_GPU();
-  std::vector<float> scales(256);
-  for (int g = 0; g < 256; ++g) {
-    // powers of two across the range, then arbitrary fp32 scales (the product rounds to bf16)
-    scales[g] = g < 128 ? fmt::ue8m0_to_float(static_cast<uint8_t>(g * 2))
-                        : 1e-3f * static_cast<float>(g) / 7.f;
-  }
-  check_all(scales);
 }
 
 }  // namespace
