@@ -212,18 +212,10 @@ struct Sm90Cta {
     if (!c.valid(p)) return RowRef{nullptr, nullptr};
     return smxx::decode::resolve<F>(p, c.info(), grp, c.k * kT + tok, raw);
   }
-  // The token's dequantization scales: MODEL1 8 UE8M0 bytes, V32 4 fp32 (in a uint4).
+  // The token's 4 fp32 dequantization scales (V32; the MODEL1 producers stage theirs).
   __device__ uint4 load_scales(const RowRef& r) const {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r.row == nullptr) return v;
-    if constexpr (F == Fmt::kModel1) {
-      const uint2 s = __ldg(reinterpret_cast<const uint2*>(r.scale));
-      v.x = s.x;
-      v.y = s.y;
-    } else if constexpr (F == Fmt::kV32) {
-      v = __ldg(reinterpret_cast<const uint4*>(r.row + fmt::kV32ScaleOffset));
-    }
-    return v;
+    if (r.row == nullptr) return make_uint4(0, 0, 0, 0);
+    return __ldg(reinterpret_cast<const uint4*>(r.row + fmt::kV32ScaleOffset));
   }
 
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
@@ -258,7 +250,6 @@ struct Sm90Cta {
     TileCursor<kT> nxt = cur;
     nxt.advance(p, end);
     RowRef ref = lane < kW ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
-    uint4 scales = load_scales(ref);
     int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
 
     const auto* never_read = reinterpret_cast<const uint8_t*>(p.q);  // source of zero-fills (V32)
@@ -266,21 +257,22 @@ struct Sm90Cta {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
 
-      // FP8 rows: issue the loads of all tokens of this warp before anything waits.
+      // FP8 rows: issue the loads of all tokens of this warp (and their scales, loaded here
+      // rather than a tile ahead: that register set spilled) before anything waits.
       uint4 data[kW];
+      uint4 scales{};
       if constexpr (Tr::kFP8) {
+        scales = load_scales(ref);
 #pragma unroll
         for (int j = 0; j < kW; ++j) {
           const auto row = reinterpret_cast<const uint8_t*>(
               __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
           data[j] = make_uint4(0, 0, 0, 0);
-          if (row != nullptr && lane < Tr::kFP8Chunks) {
-            data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
-          }
+          if (row != nullptr) data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
         }
       }
 
-      // Rows and scales of the next tile, raw values of the one after.
+      // Rows of the next tile, raw values of the one after.
       TileCursor<kT> after = nxt;
       after.advance(p, end);
       const RowRef ref_next =
@@ -288,7 +280,6 @@ struct Sm90Cta {
       // The next tile's rows start moving into L2 now: its loads, one iteration from now, then
       // wait for L2 instead of DRAM.
       if (ref_next.row != nullptr) prefetch_l2(ref_next.row, Tr::kRowBytes);
-      const uint4 scales_next = load_scales(ref_next);
       raw_next = lane < kW ? raw_token(after, tok) : -1;
 
       if (cur.first()) {
@@ -303,38 +294,26 @@ struct Sm90Cta {
 #pragma unroll
       for (int j = 0; j < kW; ++j) {
         const int t = pw * kW + j;
-        const auto row = reinterpret_cast<const uint8_t*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
         if constexpr (Tr::kFP8) {
-          float scale;
-          if constexpr (F == Fmt::kModel1) {
-            const uint32_t sx = __shfl_sync(0xffffffffu, scales.x, j);
-            const uint32_t sy = __shfl_sync(0xffffffffu, scales.y, j);
-            const int b = lane >> 2;  // 64-dim block of this lane's 16 values
-            scale = fmt::ue8m0_to_float(((b < 4 ? sx : sy) >> (8 * (b & 3))) & 0xffu);
-          } else {
-            const uint32_t s0 = __shfl_sync(0xffffffffu, scales.x, j);
-            const uint32_t s1 = __shfl_sync(0xffffffffu, scales.y, j);
-            const uint32_t s2 = __shfl_sync(0xffffffffu, scales.z, j);
-            const uint32_t s3 = __shfl_sync(0xffffffffu, scales.w, j);
-            const int b = lane >> 3;  // 128-dim block
-            scale = __uint_as_float(b == 0 ? s0 : (b == 1 ? s1 : (b == 2 ? s2 : s3)));
-          }
-          if (lane < Tr::kFP8Chunks) {
-            uint4 lo, hi;
-            e4m3x16_to_bf16(data[j], scale, lo, hi);
-            // Alternate the order between neighbouring 64-dim blocks so that the 8 lanes of
-            // a store phase hit 8 different bank groups.
-            const int swap = (lane >> 2) & 1;
-            *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + swap, kT)) = swap ? hi : lo;
-            *reinterpret_cast<uint4*>(tile + sw_off(t, 2 * lane + 1 - swap, kT)) = swap ? lo : hi;
-          }
-          if (lane < 8) {
-            ptx::cp_async_16_zfill(tile + sw_off(t, kRopeDst + lane, kT),
-                                   row != nullptr ? row + (kRopeSrc + lane) * 16 : never_read,
-                                   row != nullptr);
-          }
+          // Lane l converts chunk l (16 values) under the fp32 scale of its 128-dim block.
+          static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
+          const uint32_t s0 = __shfl_sync(0xffffffffu, scales.x, j);
+          const uint32_t s1 = __shfl_sync(0xffffffffu, scales.y, j);
+          const uint32_t s2 = __shfl_sync(0xffffffffu, scales.z, j);
+          const uint32_t s3 = __shfl_sync(0xffffffffu, scales.w, j);
+          const int b = lane >> 3;
+          const float scale = __uint_as_float(b == 0 ? s0 : (b == 1 ? s1 : (b == 2 ? s2 : s3)));
+          uint4 lo, hi;
+          e4m3x16_to_bf16(data[j], scale, lo, hi);
+          // Alternate the order between neighbouring 64-dim blocks so that the 8 lanes of a
+          // store phase hit 8 different bank groups; the two chunks differ in offset bit 4.
+          const int swap = (lane >> 2) & 1;
+          const uint32_t first = sw_off(t, 2 * lane + swap, kT);
+          *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
+          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
         } else {
+          const auto row = reinterpret_cast<const uint8_t*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
 #pragma unroll
           for (int ch = lane; ch < kChunks; ch += 32) {
             uint8_t* dst = tile + sw_off(t, ch, kT);
@@ -346,6 +325,19 @@ struct Sm90Cta {
           }
         }
       }
+      if constexpr (Tr::kFP8) {
+        // The rope, 8 bf16 chunks a token copied as stored: 4 tokens a round, a chunk a lane.
+        static_assert(kW % 4 == 0, "whole rounds");
+#pragma unroll
+        for (int h = 0; h < kW / 4; ++h) {
+          const int j = 4 * h + (lane >> 3), ch = lane & 7;
+          const auto row = reinterpret_cast<const uint8_t*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+          ptx::cp_async_16_zfill(tile + sw_off(pw * kW + j, kRopeDst + ch, kT),
+                                 row != nullptr ? row + (kRopeSrc + ch) * 16 : never_read,
+                                 row != nullptr);
+        }
+      }
       fence_proxy_async();
       // Two arrivals a thread: its stores (release) and its copies' completion.
       mbar_arrive_on_cp_async(full_bar(st));
@@ -354,7 +346,6 @@ struct Sm90Cta {
       cur = nxt;
       nxt = after;
       ref = ref_next;
-      scales = scales_next;
     }
     ptx::cp_async_wait<0>();
   }
