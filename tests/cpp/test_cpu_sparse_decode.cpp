@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "sparse_mla/sparse_mla.h"
 #include "src/cpu/attention_common.h"
 #include "src/kv/format.h"
+#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -45,109 +45,10 @@ ref::CompareResult run_and_compare(ref::SparseCase& c) {
   return ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
 }
 
-struct SparseParam {
-  const char* name;
-  ref::SparseCaseConfig config;
-};
+using sparse_cases::base;
+using sparse_cases::with_extra;
 
-ref::SparseCaseConfig base(KVFormat format, int64_t b, int64_t s_q, int64_t h_q, int64_t topk,
-                           int64_t page_size) {
-  ref::SparseCaseConfig c;
-  c.format = format;
-  c.b = b;
-  c.s_q = s_q;
-  c.h_q = h_q;
-  c.topk = topk;
-  c.page_size = page_size;
-  return c;
-}
-
-ref::SparseCaseConfig with_extra(ref::SparseCaseConfig c, int64_t extra_topk,
-                                 int64_t extra_page_size) {
-  c.use_extra = true;
-  c.extra_topk = extra_topk;
-  c.extra_page_size = extra_page_size;
-  return c;
-}
-
-std::vector<SparseParam> sparse_params() {
-  std::vector<SparseParam> v;
-  const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;
-  v.push_back({"b1_sq1_h1_page1_model1", base(M1, 1, 1, 1, 37, 1)});
-  v.push_back({"b1_sq1_h1_page1_v32", base(V32, 1, 1, 1, 37, 1)});
-  v.push_back({"b3_sq2_h8_page53_v32_extra_page2", with_extra(base(V32, 3, 2, 8, 100, 53), 70, 2)});
-  v.push_back(
-      {"b3_sq2_h8_page53_model1_extra_page2", with_extra(base(M1, 3, 2, 8, 100, 53), 70, 2)});
-  {
-    auto c = with_extra(base(M1, 3, 3, 16, 131, 61), 45, 69);
-    c.use_topk_length = c.use_extra_topk_length = true;
-    c.use_sink = true;
-    v.push_back({"b3_sq3_h16_page61_model1_extra_page69_lengths_sink", c});
-    c.format = V32;
-    v.push_back({"b3_sq3_h16_page61_v32_extra_page69_lengths_sink", c});
-  }
-  v.push_back(
-      {"b74_sq1_h8_page64_model1_extra_page256", with_extra(base(M1, 74, 1, 8, 77, 64), 33, 256)});
-  {
-    // DeepSeek-V4 C1 layout (main topk 128 on 256-token pages, extra on 64), fewer requests.
-    auto c = with_extra(base(M1, 2, 2, 64, 128, 256), 200, 64);
-    c.use_sink = true;
-    v.push_back({"b2_sq2_h64_page256_model1_c1_like_sink", c});
-  }
-  {
-    auto c = base(V32, 1, 2, 128, 65, 69);
-    c.use_sink = true;
-    v.push_back({"b1_sq2_h128_page69_v32_sink", c});
-  }
-  {
-    auto c = with_extra(base(M1, 2, 1, 128, 96, 2), 10, 1);
-    v.push_back({"b2_sq1_h128_page2_model1_extra_page1", c});
-  }
-  v.push_back({"b3_sq1_h16_topk1_page2_model1", base(M1, 3, 1, 16, 1, 2)});
-  {
-    auto c = with_extra(base(M1, 3, 2, 16, 90, 53), 41, 61);
-    c.q_layout = ref::Layout::kTransposed;
-    c.index.layout = ref::Layout::kPadded;
-    c.extra_index.layout = ref::Layout::kTransposed;
-    c.out_layout = ref::Layout::kPadded;
-    c.flash_lse_layout = true;
-    c.page_stride = ref::default_page_stride(M1, 53) + 48;
-    c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
-    v.push_back({"b3_sq2_h16_model1_strided_q_indices_out_lse_padded_pages", c});
-    c.format = V32;
-    c.page_stride = ref::default_page_stride(V32, 53) + 16;
-    c.extra_page_stride = ref::default_page_stride(V32, 61) + 64;
-    v.push_back({"b3_sq2_h16_v32_strided_q_indices_out_lse_padded_pages", c});
-  }
-  {
-    auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
-    c.index.invalid_fraction = 0.2;
-    c.index.out_of_range_fraction = 0.2;
-    c.extra_index.invalid_fraction = 0.3;
-    c.extra_index.out_of_range_fraction = 0.3;
-    v.push_back({"b3_sq2_h8_model1_minus1_and_out_of_range_indices", c});
-    c.format = V32;
-    v.push_back({"b3_sq2_h8_v32_minus1_and_out_of_range_indices", c});
-  }
-  {
-    // Requests share one pool of slots, so the same slot appears in several rows.
-    auto c = with_extra(base(M1, 3, 3, 8, 70, 53), 50, 2);
-    c.shared_slots = true;
-    c.use_sink = true;
-    v.push_back({"b3_sq3_h8_model1_shared_slots", c});
-  }
-  {
-    // A realistic softmax scale (d_qk^-0.5) instead of the accuracy protocol's d_qk^-0.55.
-    auto c = base(M1, 2, 1, 64, 200, 64);
-    c.softmax_scale = 1.0f / std::sqrt(512.0f);
-    v.push_back({"b2_sq1_h64_model1_default_scale", c});
-  }
-  return v;
-}
-
-void PrintTo(const SparseParam& p, std::ostream* os) { *os << p.name; }
-
-class CpuSparseDecode : public ::testing::TestWithParam<SparseParam> {};
+class CpuSparseDecode : public ::testing::TestWithParam<sparse_cases::NamedCase> {};
 
 TEST_P(CpuSparseDecode, MatchesReference) {
   ref::SparseCaseConfig cfg = GetParam().config;
@@ -158,8 +59,8 @@ TEST_P(CpuSparseDecode, MatchesReference) {
   EXPECT_TRUE(res.ok) << res.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CpuSparseDecode, ::testing::ValuesIn(sparse_params()),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuSparseDecode, ::testing::ValuesIn(sparse_cases::corner_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 // topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the
 // entries past each length point at NaN slots or far out of the cache and must not be read.

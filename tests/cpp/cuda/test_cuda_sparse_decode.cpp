@@ -8,10 +8,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <vector>
 
 #include "tests/cpp/cuda/decode_util.h"
+#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -24,25 +26,8 @@ using gpu_test::Stream;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;
 
-ref::SparseCaseConfig base(KVFormat format, int64_t b, int64_t s_q, int64_t h_q, int64_t topk,
-                           int64_t page_size) {
-  ref::SparseCaseConfig c;
-  c.format = format;
-  c.b = b;
-  c.s_q = s_q;
-  c.h_q = h_q;
-  c.topk = topk;
-  c.page_size = page_size;
-  return c;
-}
-
-ref::SparseCaseConfig with_extra(ref::SparseCaseConfig c, int64_t extra_topk,
-                                 int64_t extra_page_size) {
-  c.use_extra = true;
-  c.extra_topk = extra_topk;
-  c.extra_page_size = extra_page_size;
-  return c;
-}
+using sparse_cases::base;
+using sparse_cases::with_extra;
 
 // Runs the CUDA backend on `c` (outputs land in c.out / c.lse) and checks it against the
 // reference and against the CPU backend.
@@ -70,83 +55,26 @@ void check_case(ref::SparseCase& c) {
 }
 
 struct SparseParam {
-  const char* name;
+  std::string name;
   ref::SparseCaseConfig config;
   const char* tiles = nullptr;  // forced tile configuration, nullptr = the kernel's choice
 };
+void PrintTo(const SparseParam& p, std::ostream* os) { *os << p.name; }  // gtest's output
 
+// The corner cases of every backend, then forced tile configurations and the shapes that exercise
+// the kernels' row padding and split lists.
 std::vector<SparseParam> sparse_params() {
   std::vector<SparseParam> v;
-  v.push_back({"b1_sq1_h1_topk37_page1_model1", base(M1, 1, 1, 1, 37, 1)});
-  v.push_back({"b1_sq1_h1_topk37_page1_v32", base(V32, 1, 1, 1, 37, 1)});
-  v.push_back({"b3_sq2_h8_page53_v32_extra_page2", with_extra(base(V32, 3, 2, 8, 100, 53), 70, 2)});
-  v.push_back(
-      {"b3_sq2_h8_page53_model1_extra_page2", with_extra(base(M1, 3, 2, 8, 100, 53), 70, 2)});
-  {
-    auto c = with_extra(base(M1, 3, 3, 16, 131, 61), 45, 69);
-    c.use_topk_length = c.use_extra_topk_length = true;
-    c.use_sink = true;
-    v.push_back({"b3_sq3_h16_page61_model1_extra_page69_lengths_sink", c});
-    c.format = V32;
-    v.push_back({"b3_sq3_h16_page61_v32_extra_page69_lengths_sink", c});
-  }
-  v.push_back(
-      {"b74_sq1_h8_page64_model1_extra_page256", with_extra(base(M1, 74, 1, 8, 77, 64), 33, 256)});
-  {
-    // DeepSeek-V4 C1 layout (main topk 128 on 256-token pages, extra 512 on 64), few requests.
-    auto c = with_extra(base(M1, 2, 2, 64, 128, 256), 512, 64);
-    c.use_sink = true;
-    // Small batches pick 32-row tiles by default; 64x32 is what larger batches run.
-    v.push_back({"b2_sq2_h64_page256_model1_c1_sink", c});
-    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles64x32", c, "64x32"});
-    v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles16x16", c, "16x16"});
-  }
-  {
-    auto c = base(V32, 1, 2, 128, 65, 69);
-    c.use_sink = true;
-    v.push_back({"b1_sq2_h128_page69_v32_sink", c});
-    v.push_back({"b1_sq2_h128_page69_v32_sink_tiles64x32", c, "64x32"});
-    v.push_back({"b1_sq2_h128_page69_v32_sink_tiles16x16", c, "16x16"});
-  }
-  v.push_back({"b2_sq1_h128_page2_model1_extra_page1",
-               with_extra(base(M1, 2, 1, 128, 96, 2), 10, 1)});
-  v.push_back({"b3_sq1_h16_topk1_page2_model1", base(M1, 3, 1, 16, 1, 2)});
-  {
-    auto c = with_extra(base(M1, 3, 2, 16, 90, 53), 41, 61);
-    c.q_layout = ref::Layout::kTransposed;
-    c.index.layout = ref::Layout::kPadded;
-    c.extra_index.layout = ref::Layout::kTransposed;
-    c.out_layout = ref::Layout::kPadded;
-    c.flash_lse_layout = true;
-    c.page_stride = ref::default_page_stride(M1, 53) + 48;
-    c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
-    v.push_back({"b3_sq2_h16_model1_strided_q_indices_out_lse_padded_pages", c});
-    c.format = V32;
-    c.page_stride = ref::default_page_stride(V32, 53) + 16;
-    c.extra_page_stride = ref::default_page_stride(V32, 61) + 64;
-    v.push_back({"b3_sq2_h16_v32_strided_q_indices_out_lse_padded_pages", c});
-  }
-  {
-    auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
-    c.index.invalid_fraction = 0.2;
-    c.index.out_of_range_fraction = 0.2;
-    c.extra_index.invalid_fraction = 0.3;
-    c.extra_index.out_of_range_fraction = 0.3;
-    v.push_back({"b3_sq2_h8_model1_minus1_and_out_of_range_indices", c});
-    c.format = V32;
-    v.push_back({"b3_sq2_h8_v32_minus1_and_out_of_range_indices", c});
-  }
-  {
-    auto c = with_extra(base(M1, 3, 3, 8, 70, 53), 50, 2);
-    c.shared_slots = true;
-    c.use_sink = true;
-    v.push_back({"b3_sq3_h8_model1_shared_slots", c});
-  }
-  {
-    auto c = base(M1, 2, 1, 64, 200, 64);
-    c.softmax_scale = 1.0f / std::sqrt(512.0f);
-    v.push_back({"b2_sq1_h64_model1_default_scale", c});
-  }
+  for (const auto& c : sparse_cases::corner_cases()) v.push_back({c.name, c.config});
+  // Small batches pick 32-row tiles by default; 64x32 is what larger batches run.
+  v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles64x32", sparse_cases::c1_layout_with_sink(),
+               "64x32"});
+  v.push_back({"b2_sq2_h64_page256_model1_c1_sink_tiles16x16", sparse_cases::c1_layout_with_sink(),
+               "16x16"});
+  v.push_back({"b1_sq2_h128_page69_v32_sink_tiles64x32", sparse_cases::v32_h128_with_sink(),
+               "64x32"});
+  v.push_back({"b1_sq2_h128_page69_v32_sink_tiles16x16", sparse_cases::v32_h128_with_sink(),
+               "16x16"});
   // Head counts that pad: 24 rows in a 32-row CTA, 40 in a 64-row one, 100 over two.
   v.push_back({"b2_sq2_h24_model1", with_extra(base(M1, 2, 2, 24, 150, 64), 40, 2)});
   v.push_back({"b2_sq1_h40_v32", base(V32, 2, 1, 40, 150, 61)});
@@ -179,7 +107,7 @@ TEST_P(CudaSparseDecode, MatchesReferenceAndCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaSparseDecode, ::testing::ValuesIn(sparse_params()),
-                         [](const auto& info) { return std::string(info.param.name); });
+                         [](const auto& info) { return info.param.name; });
 
 // topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the
 // entries past each length point far out of the cache and must not be read.
