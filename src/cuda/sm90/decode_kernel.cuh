@@ -129,7 +129,7 @@ struct TileCursor {
   __device__ void enter(const DecodeParams& p, PartStart end, int kt) {
     while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
       const PairInfo info = p.pairs[pr];
-      const int ntiles = info.len > 0 ? (info.len + kT - 1) / kT : 1;
+      const int ntiles = smxx::decode::pair_tiles(info.len, kT);
       k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
       if (kt < k1) {
         k = k0 = kt;

@@ -554,7 +554,7 @@ __global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
   int pr = begin.pair, k0 = begin.tile;
   while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && k0 < end.tile))) {
     const PairInfo info = p.pairs[pr];
-    const int ntiles = info.len > 0 ? (info.len + Cta::kT - 1) / Cta::kT : 1;
+    const int ntiles = pair_tiles(info.len, Cta::kT);
     const int k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
     if (k0 < k1) cta.segment(pr, k0, k1, info);
     ++pr;

@@ -208,8 +208,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   s.min_tiles_per_part = std::max(1, kMinTokensPerPart / k.tile_tokens);
   s.busy_parts = s.num_parts;
   if (max_len > 0) {
-    const int64_t cost = num_pairs * (s.overhead_tiles + (max_len + k.tile_tokens - 1) /
-                                                             k.tile_tokens);
+    const int64_t cost = num_pairs * (s.overhead_tiles +
+                                       pair_tiles<int64_t>(max_len, k.tile_tokens));
     s.busy_parts = std::min<int64_t>(s.busy_parts, (cost + s.min_tiles_per_part - 1) /
                                                        s.min_tiles_per_part);
   }

@@ -16,6 +16,12 @@
 
 namespace sparse_mla::cuda::smxx::decode {
 
+// Tiles of a pair of `len` tokens: an empty pair still takes one (its CTA writes the empty row).
+template <typename I>
+SPARSE_MLA_HD I pair_tiles(I len, I tile) {
+  return len > 0 ? (len + tile - 1) / tile : 1;
+}
+
 // Start of a part on the cost line: the first tile it owns (pair, tile within the pair).
 struct PartStart {
   int32_t pair;

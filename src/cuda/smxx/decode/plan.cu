@@ -46,10 +46,6 @@ __device__ __forceinline__ int clamp_len(int64_t v, int64_t hi) {
   return static_cast<int>(v < 0 ? 0 : (v > hi ? hi : v));
 }
 
-__device__ __forceinline__ int64_t pair_tiles(int len, int tile) {
-  return len > 0 ? (len + tile - 1) / tile : 1;
-}
-
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constant__ PlanParams p) {
   const int tid = threadIdx.x;
   const int T = p.tile_tokens;
