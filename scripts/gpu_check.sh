@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (all cores, CUDA for the local GPU), run the C++ GPU tests,
 # the Python tests, the sanitizers, `sparse-mla run` and the benchmark. Logs and JSON go to
-# $OUT (or ./gpu-out; the logs packed into logs.tar.gz); a short table is printed last.
+# $OUT (or ./gpu-out; the logs packed into logs-<time>.tar.gz); a short table is printed last.
 #   scripts/gpu_check.sh [steps...]   steps: build test python sanitize run bench (default: all)
 # Without the build step, build-gpu/ must hold binaries built for this GPU (e.g. built elsewhere
 # with -DSPARSE_MLA_CUDA_ARCHS=90a and carried along). The benchmark records SPARSE_MLA_COMMIT when
@@ -68,6 +68,14 @@ grep -h -E "PASSED|FAILED" "$out/test.log" "$out/test_sm90.log" 2>/dev/null | ta
 cat "$out/sanitize_summary.txt" 2>/dev/null
 [ -f "$out/sm90/sanitize_summary.txt" ] && { echo "sm90 backend:"; cat "$out/sm90/sanitize_summary.txt"; }
 grep -h -E "passed|failed" "$out/python.log" 2>/dev/null | tail -1
-# The device tool returns at most 8 files: the logs travel as one archive beside the results.
-(cd "$out" && find . -name '*.log' -o -name 'sanitize_summary.txt' | tar -czf logs.tar.gz -T - &&
-  find . -name '*.log' -delete && rm -rf sm90 sanitize_summary.txt)
+# The device tool returns at most 8 files: the logs this script wrote travel as one archive beside
+# the results, named by time so that a later call into the same $out keeps the earlier one.
+(cd "$out" || exit
+  written=()
+  for f in {build,test,test_sm90,python,sanitize,sanitize_sm90,run,bench}.log \
+    sanitize_{memcheck,racecheck,initcheck,synccheck}.log sanitize_summary.txt sm90; do
+    [ -e "$f" ] && written+=("$f")
+  done
+  if [ ${#written[@]} -gt 0 ]; then
+    tar -czf "logs-$(date +%Y%m%d-%H%M%S).tar.gz" "${written[@]}" && rm -rf "${written[@]}"
+  fi)

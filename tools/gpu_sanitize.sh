@@ -59,10 +59,11 @@ for tool in $tools; do
   [[ -n $skipped ]] && tests="$tests (${skipped} skipped)"
   printf '%-10s %-22s %-8s %-7s %s\n' "$tool" "$tests" "${errors:-?}" \
     "$seconds" "$verdict" >>"$summary"
-  # A failing test is named in the summary with its data seed (the logs may not come back).
+  # Failing tests are named in the summary with their data seeds (the logs may not come back).
   if [[ $verdict != ok ]]; then
-    grep -E '^\[  FAILED  \] [A-Za-z]|SPARSE_MLA_TEST_SEED=' "$log" | sort -u | head -n 8 |
-      sed 's/^/    /' >>"$summary"
+    # In log order: each test's seed (its trace), then "[  FAILED  ] Suite.Test (N ms)".
+    grep -E '^\[  FAILED  \] [A-Za-z].* ms\)$|SPARSE_MLA_TEST_SEED=' "$log" |
+      uniq | head -n 16 | sed 's/^/    /' >>"$summary"
   fi
 done
 echo "filter: $filter  binary: $bin" >>"$summary"

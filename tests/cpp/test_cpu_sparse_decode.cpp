@@ -59,7 +59,16 @@ TEST_P(CpuSparseDecode, MatchesReference) {
   EXPECT_TRUE(res.ok) << res.summary();
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CpuSparseDecode, ::testing::ValuesIn(sparse_cases::corner_cases()),
+// The corner cases of every backend, and an extra list that is no multiple of a 64-token tile.
+std::vector<sparse_cases::NamedCase> sparse_params() {
+  std::vector<sparse_cases::NamedCase> v = sparse_cases::corner_cases();
+  auto c = with_extra(base(KVFormat::kModel1, 2, 2, 64, 128, 256), 200, 64);
+  c.use_sink = true;
+  v.push_back({"b2_sq2_h64_page256_model1_extra200_sink", c});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuSparseDecode, ::testing::ValuesIn(sparse_params()),
                          [](const auto& info) { return info.param.name; });
 
 // topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "src/cuda/common/divider.h"
+#include "src/kv/format.h"
 
 namespace sparse_mla::cuda::smxx::decode {
 
