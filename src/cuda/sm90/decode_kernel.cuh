@@ -212,6 +212,14 @@ struct Sm90Cta {
     if (!c.valid(p)) return RowRef{nullptr, nullptr};
     return smxx::decode::resolve<F>(p, c.info(), grp, c.k * kT + tok, raw);
   }
+  // The data row that lane `j` of the warp resolved (every lane must call).
+  __device__ static const uint8_t* row_of_lane(const RowRef& ref, int j) {
+    return reinterpret_cast<const uint8_t*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+  }
+  // Source address of zero-filling copies (0 bytes are read from it).
+  __device__ const uint8_t* never_read() const { return reinterpret_cast<const uint8_t*>(p.q); }
+
   // The token's 4 fp32 dequantization scales (V32; the MODEL1 producers stage theirs).
   __device__ uint4 load_scales(const RowRef& r) const {
     if (r.row == nullptr) return make_uint4(0, 0, 0, 0);
@@ -252,7 +260,6 @@ struct Sm90Cta {
     RowRef ref = lane < kW ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
     int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
 
-    const auto* never_read = reinterpret_cast<const uint8_t*>(p.q);  // source of zero-fills (V32)
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
@@ -265,8 +272,7 @@ struct Sm90Cta {
         scales = load_scales(ref);
 #pragma unroll
         for (int j = 0; j < kW; ++j) {
-          const auto row = reinterpret_cast<const uint8_t*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+          const auto row = row_of_lane(ref, j);
           data[j] = make_uint4(0, 0, 0, 0);
           if (row != nullptr) data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
         }
@@ -312,8 +318,7 @@ struct Sm90Cta {
           *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
           *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
         } else {
-          const auto row = reinterpret_cast<const uint8_t*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+          const auto row = row_of_lane(ref, j);
 #pragma unroll
           for (int ch = lane; ch < kChunks; ch += 32) {
             uint8_t* dst = tile + sw_off(t, ch, kT);
@@ -331,10 +336,9 @@ struct Sm90Cta {
 #pragma unroll
         for (int h = 0; h < kW / 4; ++h) {
           const int j = 4 * h + (lane >> 3), ch = lane & 7;
-          const auto row = reinterpret_cast<const uint8_t*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+          const auto row = row_of_lane(ref, j);
           ptx::cp_async_16_zfill(tile + sw_off(pw * kW + j, kRopeDst + ch, kT),
-                                 row != nullptr ? row + (kRopeSrc + ch) * 16 : never_read,
+                                 row != nullptr ? row + (kRopeSrc + ch) * 16 : never_read(),
                                  row != nullptr);
         }
       }
@@ -364,22 +368,21 @@ struct Sm90Cta {
     // The warp's kW rows are contiguous in the stage, so copy c (16 bytes) of the warp lands at
     // byte 16 c: lanes take consecutive copies. Missing rows are zero-filled (finite V).
     uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
-    const auto* never_read = reinterpret_cast<const uint8_t*>(p.q);
 #pragma unroll
     for (int u = 0; u < (kCopies + 31) / 32; ++u) {
       const int c = u * 32 + lane;
       const int j = c / kRowChunks;  // < 32: every lane takes part in the shuffle
-      const auto row = reinterpret_cast<const uint8_t*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ref.row), j));
+      const auto row = row_of_lane(ref, j);
       if (c < kCopies) {
         const bool ok = row != nullptr;
-        ptx::cp_async_16_zfill(dst + c * 16, ok ? row + (c - j * kRowChunks) * 16 : never_read, ok);
+        ptx::cp_async_16_zfill(dst + c * 16, ok ? row + (c - j * kRowChunks) * 16 : never_read(),
+                               ok);
       }
     }
     if (lane < kW) {
       const bool ok = ref.row != nullptr;
       ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + lane) * 8,
-                            ok ? ref.scale : never_read, ok);
+                            ok ? ref.scale : never_read(), ok);
     }
   }
 

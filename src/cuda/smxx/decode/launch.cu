@@ -124,7 +124,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // 92 us against 146 us), as each K tile is dequantized once for 64 heads.
   bool small_batch = false;
   if (rows_per_group > 16 && max_len > 0) {
-    const int64_t tiles = (max_len + 31) / 32;
+    const int64_t tiles = pair_tiles<int64_t>(max_len, 32);
     const int64_t blocks64 = (rows_per_group + 63) / 64 * groups;
     if (num_pairs * tiles * blocks64 < 2 * static_cast<int64_t>(dev.sm_count)) {
       order = mid;
