@@ -8,13 +8,16 @@
 //             stays off the producers' path). V32: rows go through registers (no shared memory
 //             left for a ring at d_qk 576). bf16/fp16: cp.async straight into the tile. They
 //             also load Q at the start of every pair.
-//   consumers (warps 8-15): consumer c computes S for tokens [c kT/2, (c+1) kT/2) of the tile
-//             over the whole d_qk (wgmma m64n24/32, Q and K from shared memory), the two
-//             exchange their row maxima, write P (bf16) for their tokens into shared memory, and
-//             consumer c accumulates O[:, 256c, 256c + 256) += P V (wgmma m64n128 x 2; V = the
-//             same tile, read MN-major). O stays in registers (128 fp32 per thread).
+//   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
+//             dims read MN-major, S and P V are wgmma with the operands in shared memory.
+//             16-bit pages: consumer 0 computes S for the whole tile (wgmma m64n64), the softmax
+//             of all rows, and writes P (bf16) and the rows' rescale factors into shared memory;
+//             consumer 0 accumulates O[:, 0, 128), consumer 1 O[:, 128, 512) while consumer 0
+//             goes on to the next tile's S and softmax. FP8 pages: consumer c computes S for
+//             tokens [c kT/2, (c+1) kT/2) (m64n24/32), the two exchange their row maxima and
+//             write P for their tokens, and consumer c accumulates O[:, 256c, 256c + 256).
 // Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
-// between the consumers per tile (row maxima, then P).
+// between the consumers per tile (16-bit: P ready, P read; FP8: row maxima, P ready).
 //
 // Shared-memory operands use the 128-byte swizzle: a [rows x d] matrix is stored as d / 64
 // blocks of [rows x 128 bytes]; 16-byte chunk c of row r sits at chunk c ^ (r % 8).
@@ -58,8 +61,18 @@ struct Sm90Config {
   static constexpr int kThreads = kProducerThreads + 256;
   // The staged producers keep two cursors and the conversion's addresses (88 registers); the
   // other formats' consumers spill below 176.
-  static constexpr int kProducerRegs = kStaged ? 88 : 80;
-  static constexpr int kConsumerRegs = 256 - kProducerRegs;  // 256 P + 256 C = 128 * 512 (launch)
+  // 16-bit pages (kSingleS): consumer 0 computes S for the whole tile and the softmax, and
+  // accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the next tile's S
+  // and softmax. The copy-only producers need few registers, which pays for consumer 1's 192
+  // accumulators. FP8 pages: the converting producers need 80-88 registers, so the consumers
+  // split the tile's tokens and the output dims evenly (176 / 168 registers each).
+  static constexpr bool kSingleS = !Traits::kFP8;
+  static constexpr int kDimsS = kSingleS ? 128 : 256;
+  static constexpr int kProducerRegs = kStaged ? 88 : (kSingleS ? 56 : 80);
+  // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
+  static constexpr int kPVRegs = kSingleS ? 224 : 256 - kProducerRegs;
+  static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
+  static constexpr int kSN = kSingleS ? kT : kT / 2;  // tokens of a tile in one S
 
   static constexpr int kBlockBytes = kT * 128;    // one 64-dim column block of a tile
   static constexpr int kQBlockBytes = kRows * 128;  // ... of Q
@@ -74,9 +87,8 @@ struct Sm90Config {
   static constexpr int kTileOff = kQOff + kQBytes;
   static constexpr int kPOff = kTileOff + kStages * kTileBytes;
   static constexpr int kRawOff = kPOff + kPBytes;
-  static constexpr int kMaxOff = kRawOff + kRawStages * kRawBytes;  // [2][kRows] row maxima
-  static constexpr int kSumOff = kMaxOff + 2 * kRows * 4;     // [2][kRows] float row sums
-  static constexpr int kMaskOff = kSumOff + 2 * kRows * 4;    // [kStages][8] uint8 valid bits
+  static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;  // [4][kRows] floats
+  static constexpr int kMaskOff = kExchOff + 4 * kRows * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
   static constexpr int kNumBars = 2 * kStages + 2;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
@@ -169,10 +181,18 @@ struct Sm90Cta {
   using Tr = FormatTraits<F>;
   static constexpr bool kHalf = Tr::kFP16;
   static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
-  static constexpr int kN = kT / 2;  // tokens of a tile per consumer
   static constexpr int kChunks = Cfg::kDqk / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kRopeSrc = F == Fmt::kModel1 ? 28 : 33;  // rope chunks in a stored FP8 row
   static constexpr int kRopeDst = F == Fmt::kModel1 ? 56 : 64;  // ... and in the bf16 row
+
+  // Named barriers between the consumers (0 is __syncthreads).
+  static constexpr int kPReadyBarrier = 1;  // P written (16-bit: and the rescale factors)
+  static constexpr int kPFreeBarrier = 2;   // 16-bit: consumer 1 has read them
+  static constexpr int kRowMaxBarrier = 2;  // FP8: both consumers' row maxima written
+  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums, then output factors
+  static constexpr int kDV = smxx::decode::kDV;
+  static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
+  static constexpr int kSN = Cfg::kSN;
 
   const DecodeParams& p;
   uint8_t* smem;
@@ -181,8 +201,13 @@ struct Sm90Cta {
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
   __device__ uint8_t* p_smem() const { return smem + Cfg::kPOff; }
-  __device__ float* max_smem() const { return reinterpret_cast<float*>(smem + Cfg::kMaxOff); }
-  __device__ float* sum_smem() const { return reinterpret_cast<float*>(smem + Cfg::kSumOff); }
+  // Per-row values the consumers hand each other: kRowMax0/1 the row maxima of consumer 0/1 (each
+  // tile, FP8 pages) or kAlpha the rows' O rescale factors (each tile, 16-bit pages); kFactor
+  // the output factors and kRowSum1 consumer 1's row sums (a pair's end).
+  static constexpr int kRowMax0 = 0, kRowMax1 = 1, kAlpha = 0, kFactor = 2, kRowSum1 = 3;
+  __device__ float* exch(int k) const {
+    return reinterpret_cast<float*>(smem + Cfg::kExchOff) + k * kRows;
+  }
   __device__ uint8_t* mask_smem(int st) const { return smem + Cfg::kMaskOff + st * 8; }
   __device__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(smem + Cfg::kBarOff) + i; }
   __device__ uint64_t* full_bar(int st) const { return bar(st); }
@@ -489,13 +514,15 @@ struct Sm90Cta {
 
   // ---------------------------------------------------------------- consumers (warps 8-15)
 
-  __device__ void consumer(int c) {
+  // FP8 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
+  // exchange their row maxima, each writes P for its tokens, and consumer c accumulates
+  // O[:, 256c, 256c + 256).
+  __device__ void consumer_half(int c) {
     const int wt = threadIdx.x & 127;  // thread within the consumer warpgroup
     const int lane = wt & 31;
     const int r_lo = (wt >> 5) * 16 + (lane >> 2);  // this thread's rows: r_lo, r_lo + 8
     const uint32_t q_addr = ptx::smem_addr(q_smem());
     const uint32_t p_addr = ptx::smem_addr(p_smem());
-    float* row_max = max_smem();
 
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;
@@ -523,13 +550,13 @@ struct Sm90Cta {
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
 
       // S = Q K^T for this consumer's kN tokens.
-      float s[kN / 2];
+      float s[kSN / 2];
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
         const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kN * 128;
-        wgmma_m64nk_kk<kHalf, kN>(s, sw128_desc(q_addr + q_off, 0, 1024),
+        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kSN * 128;
+        wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
                                   sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
       }
       wgmma_commit();
@@ -543,10 +570,10 @@ struct Sm90Cta {
       for (int w = 0; w < 4; ++w) {
         vmask |= static_cast<uint32_t>(mk[c * 4 + w]) << (w * Cfg::kTokensPerWarp);
       }
-      const int pos0 = cur.k * kT + c * kN;
+      const int pos0 = cur.k * kT + c * kSN;
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
+      for (int j = 0; j < kSN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
@@ -559,13 +586,13 @@ struct Sm90Cta {
       for (int rr = 0; rr < 2; ++rr) {
         mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
         mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-        if ((lane & 3) == 0) row_max[c * kRows + r_lo + 8 * rr] = mx[rr];
+        if ((lane & 3) == 0) exch(kRowMax0 + c)[r_lo + 8 * rr] = mx[rr];
       }
-      ptx::named_barrier(1, 256);
+      ptx::named_barrier(kRowMaxBarrier, 256);
       float alpha[2], m_use[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float other = row_max[(1 - c) * kRows + r_lo + 8 * rr];
+        const float other = exch(kRowMax1 - c)[r_lo + 8 * rr];
         const float m_new = fmaxf(m[rr], fmaxf(mx[rr], other));
         // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
         m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
@@ -574,7 +601,7 @@ struct Sm90Cta {
       }
       float sum[2] = {0.f, 0.f};
 #pragma unroll
-      for (int e = 0; e < kN / 2; ++e) {
+      for (int e = 0; e < kSN / 2; ++e) {
         s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
         sum[(e >> 1) & 1] += s[e];
       }
@@ -587,20 +614,20 @@ struct Sm90Cta {
         for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
       }
 
-      // P (16-bit) into shared memory: row r, tokens [c kN, (c + 1) kN).
+      // P (16-bit) into shared memory: row r, tokens [c kSN, (c + 1) kSN).
       uint8_t* ps = p_smem();
 #pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
+      for (int j = 0; j < kSN / 8; ++j) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int r = r_lo + 8 * rr;
-          const int chunk = c * (kN / 8) + j;
+          const int chunk = c * (kSN / 8) + j;
           *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
               ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
         }
       }
       fence_proxy_async();
-      ptx::named_barrier(2, 256);
+      ptx::named_barrier(kPReadyBarrier, 256);
 
       // O[:, 256c, 256c + 256) += P V.
       wgmma_fence();
@@ -615,23 +642,23 @@ struct Sm90Cta {
       wgmma_commit();
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
-
-      if (cur.last()) epilogue(cur, c, wt, r_lo, o, m, l);
+      if (cur.last()) epilogue_half(cur, c, wt, r_lo, o, m, l);
       cur.advance(p, end);
     }
   }
 
-  __device__ void epilogue(const TileCursor<kT>& cur, int c, int wt, int r_lo, float (&o)[128],
+  // FP8 pages: the pair's output from consumer c's dims, after the two add their row sums.
+  __device__ void epilogue_half(const TileCursor<kT>& cur, int c, int wt, int r_lo, float (&o)[128],
                            const float (&m)[2], float (&l)[2]) {
     const int lane = wt & 31;
-    float* row_sum = sum_smem();
+    float* row_sum = exch(kFactor);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
       l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
       if ((lane & 3) == 0) row_sum[c * kRows + r_lo + 8 * rr] = l[rr];
     }
-    ptx::named_barrier(3, 256);
+    ptx::named_barrier(kEpilogueBarrier, 256);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int r = r_lo + 8 * rr;
@@ -689,6 +716,268 @@ struct Sm90Cta {
       }
     }
   }
+
+  // Sum over the 4 lanes of a quad (the threads that hold one accumulator row).
+  __device__ static float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+  }
+
+  // 16-bit pages, consumer 0 (warps 8-11): S = Q K^T over the whole tile, the softmax of all 64
+  // rows, P and the rescale factors into shared memory for both consumers, and O[:, 0, kDimsS).
+  // While it computes the next tile's S and softmax, consumer 1 accumulates this tile's
+  // O[:, kDimsS, 512), so the tensor cores have work through the softmax.
+  __device__ void consumer_s() {
+    const int wt = threadIdx.x & 127;  // thread within the warpgroup
+    const int lane = wt & 31;
+    const int r_lo = (wt >> 5) * 16 + (lane >> 2);  // this thread's rows: r_lo, r_lo + 8
+    const uint32_t q_addr = ptx::smem_addr(q_smem());
+    const uint32_t p_addr = ptx::smem_addr(p_smem());
+    float* alpha = exch(kAlpha);
+
+    const PartStart end = p.parts[blockIdx.x + 1];
+    TileCursor<kT> cur;
+    cur.init(p, end);
+    float o[kDimsS / 2];
+    float m[2], l[2];
+    int lim[2];
+    for (int it = 0; cur.valid(p); ++it) {
+      const int st = it % Cfg::kStages;
+      if (cur.first()) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          m[rr] = -INFINITY;
+          l[rr] = 0.f;
+          lim[rr] = 0x7fffffff;
+          if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
+        }
+        mbar_wait(q_full_bar(), cur.seg & 1);
+      }
+      mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
+      fence_proxy_async();
+      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+
+      float s[kSN / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
+        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
+        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
+        wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
+                                  sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
+
+      // Mask and scale to base 2, then the row maxima (a row's values sit in one quad).
+      const uint8_t* mk = mask_smem(st);
+      uint64_t vmask = 0;  // producer warp w resolved tokens [w kW, (w + 1) kW)
+#pragma unroll
+      for (int w = 0; w < Cfg::kProducerWarps; ++w) {
+        vmask |= static_cast<uint64_t>(mk[w]) << (w * Cfg::kTokensPerWarp);
+      }
+      const int pos0 = cur.k * kT;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < kT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        }
+      }
+      float row_alpha[2], m_use[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        const float m_new = fmaxf(m[rr], mx[rr]);
+        // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
+        m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
+        row_alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
+        m[rr] = m_new;
+      }
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < kSN / 2; ++e) {
+        s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
+        sum[(e >> 1) & 1] += s[e];
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * row_alpha[rr] + sum[rr];
+
+      // P (16-bit) and the rows' rescale factors into shared memory, once consumer 1 is done
+      // with the previous tile's.
+      if (it > 0) ptx::named_barrier(kPFreeBarrier, 256);
+      uint8_t* ps = p_smem();
+#pragma unroll
+      for (int j = 0; j < kT / 8; ++j) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = r_lo + 8 * rr;
+          *reinterpret_cast<uint32_t*>(ps + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4) =
+              ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+        }
+      }
+      if ((lane & 3) == 0) {
+        alpha[r_lo] = row_alpha[0];
+        alpha[r_lo + 8] = row_alpha[1];
+      }
+      fence_proxy_async();
+      ptx::named_barrier_arrive(kPReadyBarrier, 256);
+
+      accumulate_pv(cur, 0, o, row_alpha, p_addr, t_addr);
+      if (wt == 0) mbar_arrive(empty_bar(st));
+      if (cur.last()) {
+        float l_row[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) l_row[rr] = quad_sum(l[rr]);
+        epilogue(cur, 0, wt, r_lo, o, m, l_row);
+      }
+      cur.advance(p, end);
+    }
+  }
+
+  // 16-bit pages, consumer 1 (warps 12-15): O[:, kDimsS, 512) from consumer 0's P and rescale
+  // factors.
+  __device__ void consumer_pv() {
+    const int wt = threadIdx.x & 127;
+    const int lane = wt & 31;
+    const int r_lo = (wt >> 5) * 16 + (lane >> 2);
+    const uint32_t p_addr = ptx::smem_addr(p_smem());
+    const float* alpha = exch(kAlpha);
+
+    const PartStart end = p.parts[blockIdx.x + 1];
+    TileCursor<kT> cur;
+    cur.init(p, end);
+    float o[(kDV - kDimsS) / 2];
+    const float none[2] = {0.f, 0.f};  // softmax state: consumer 0's (the epilogue gets it)
+    for (int it = 0; cur.valid(p); ++it) {
+      const int st = it % Cfg::kStages;
+      mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
+      fence_proxy_async();
+      ptx::named_barrier(kPReadyBarrier, 256);
+      const float row_alpha[2] = {alpha[r_lo], alpha[r_lo + 8]};
+      accumulate_pv(cur, kDimsS, o, row_alpha, p_addr, ptx::smem_addr(tile_smem(st)));
+      if (wt == 0) mbar_arrive(empty_bar(st));
+      if (cur.last()) epilogue(cur, kDimsS, wt, r_lo, o, none, none);
+      cur.advance(p, end);
+      if (cur.valid(p)) ptx::named_barrier_arrive(kPFreeBarrier, 256);  // done with P
+    }
+  }
+
+  // O[:, d0, d0 + 2 kRegs) = alpha O + P V (the pair's first tile overwrites O): kRegs / 64
+  // wgmma m64n128 a k-step.
+  template <int kRegs>
+  __device__ void accumulate_pv(const TileCursor<kT>& cur, int d0, float (&o)[kRegs],
+                                const float (&alpha)[2], uint32_t p_addr, uint32_t t_addr) const {
+    // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
+    // multiplies unless a row of the warp moved.
+    if (!cur.first() && __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int e = 0; e < kRegs; ++e) o[e] *= alpha[(e >> 1) & 1];
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kT / 16; ++kk) {
+      const uint64_t pa = sw128_desc(p_addr + kk * 32, 0, 1024);
+      const uint32_t v = t_addr + (d0 / 64) * Cfg::kBlockBytes + kk * 16 * 128;
+      const int accumulate = kk > 0 || !cur.first();
+      wgmma_m64n128_kmn<kHalf, 0>(o, pa, sw128_desc(v, Cfg::kBlockBytes, 1024), accumulate);
+      if constexpr (kRegs > 64) {
+        wgmma_m64n128_kmn<kHalf, 64>(
+            o, pa, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
+      }
+      if constexpr (kRegs > 128) {
+        wgmma_m64n128_kmn<kHalf, 128>(
+            o, pa, sw128_desc(v + 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+
+  // 16-bit pages: the pair's output. Consumer 0 (d0 == 0), given the row maxima m and the rows'
+  // full sums l, writes the lse and each row's output factor; each consumer writes its dims
+  // [d0, d0 + 2 kRegs).
+  template <int kRegs>
+  __device__ void epilogue(const TileCursor<kT>& cur, int d0, int wt, int r_lo, float (&o)[kRegs],
+                           const float (&m)[2], const float (&l)[2]) {
+    const int lane = wt & 31;
+    float* factors = exch(kFactor);
+    const PairInfo info = p.pairs[cur.pr];
+    int i, sq;
+    pair_coords(p, cur.pr, &i, &sq);
+    const bool split = info.nsplit > 1;
+    const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
+    const bool slot_ok = slot >= 0 && slot < p.max_slots;
+    const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    if (d0 == 0) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_lo + 8 * rr;
+        float factor, lse;
+        if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf (partial: -inf), sink or not
+          factor = 0.f;
+          lse = split ? -INFINITY : INFINITY;
+        } else if (split) {  // normalized fp32 partial rows + base-2 lse for the combine
+          factor = 1.f / l[rr];
+          lse = m[rr] + log2f(l[rr]);
+        } else {
+          lse = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
+          factor = 1.f / l[rr];
+          if (p.sink != nullptr && r < nrows) {
+            int s, head;
+            row_coords(row0 + r, sq, &s, &head);
+            factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+          }
+        }
+        if ((lane & 3) == 0) {
+          factors[r] = factor;
+          if (r < nrows) {
+            if (split) {
+              const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
+              if (slot_ok) p.part_lse[prow] = lse;
+            } else {
+              int s, head;
+              row_coords(row0 + r, sq, &s, &head);
+              p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+            }
+          }
+        }
+      }
+    }
+    ptx::named_barrier(kEpilogueBarrier, 256);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = r_lo + 8 * rr;
+      if (r >= nrows) continue;
+      const float factor = factors[r];
+      if (split) {
+        if (!slot_ok) continue;
+        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
+        float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+        }
+      } else {
+        int s, head;
+        row_coords(row0 + r, sq, &s, &head);
+        uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
+                        d0 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          *reinterpret_cast<uint32_t*>(dst + j * 8) =
+              ptx::pack2<kHalf>(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+        }
+      }
+    }
+  }
 };
 
 #endif  // SPARSE_MLA_SM90_DEVICE
@@ -720,7 +1009,7 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
       mbar_init(cta.empty_bar(st), 2);
     }
     mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);
-    mbar_init(cta.q_empty_bar(), 2);
+    mbar_init(cta.q_empty_bar(), Cfg::kSingleS ? 1 : 2);  // the consumers that read Q
     fence_barrier_init();
   }
   __syncthreads();
@@ -732,8 +1021,19 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
       cta.producer();
     }
   } else {
-    regs_inc<Cfg::kConsumerRegs>();
-    cta.consumer((threadIdx.x - Cfg::kProducerThreads) >> 7);
+    const int c = (threadIdx.x - Cfg::kProducerThreads) >> 7;
+    if constexpr (Cfg::kSingleS) {
+      if (c == 0) {
+        regs_inc<Cfg::kSRegs>();
+        cta.consumer_s();
+      } else {
+        regs_inc<Cfg::kPVRegs>();
+        cta.consumer_pv();
+      }
+    } else {
+      regs_inc<Cfg::kSRegs>();
+      cta.consumer_half(c);
+    }
   }
 #endif
 }

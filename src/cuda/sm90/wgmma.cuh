@@ -92,35 +92,47 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr, uint32_t
   return d;
 }
 
-// D[64 x N] (fp32) += A[64 x 16] * B[16 x N] for N = 24 or 32, A and B from shared memory,
-// both K-major. accumulate == 0 overwrites D.
+// D[64 x N] (fp32) += A[64 x 16] * B[16 x N] for N = 24, 32 or 64 (the S tiles of the decode
+// kernel), A and B from shared memory, both K-major. accumulate == 0 overwrites D.
 template <bool kHalf, int N>
 __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, uint64_t b,
                                               int accumulate) {
-  static_assert(N == 24 || N == 32, "the S tile widths of the decode kernel");
+  static_assert(N == 24 || N == 32 || N == 64, "the S tile widths of the decode kernel");
   if constexpr (N == 24 && kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
         : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (N == 24) {
+  } else if constexpr (N == 24 && !kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
         : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (kHalf) {
+  } else if constexpr (N == 32 && kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(a), "l"(b), "r"(accumulate));
-  } else {
+  } else if constexpr (N == 32 && !kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else if constexpr (N == 64 && kHalf) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
 }
@@ -128,9 +140,10 @@ __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, ui
 // D[64 x 128] (fp32) += A[64 x 16] * B[16 x 128], A and B from shared memory, B MN-major; D is
 // d[kOff, kOff + 64). (m64n128 rather than n256: an instruction's 128 accumulators would not fit
 // the 128-register cap of a 512-thread kernel.) accumulate == 0 overwrites D.
-template <bool kHalf, int kOff>
-__device__ __forceinline__ void wgmma_m64n128_kmn(float (&d)[128], uint64_t a, uint64_t b,
+template <bool kHalf, int kOff, int kN>
+__device__ __forceinline__ void wgmma_m64n128_kmn(float (&d)[kN], uint64_t a, uint64_t b,
                                                   int accumulate) {
+  static_assert(kOff + 64 <= kN, "the accumulators lie within d");
   if constexpr (kHalf) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
