@@ -189,7 +189,7 @@ struct Sm90Cta {
   static constexpr int kPReadyBarrier = 1;  // P written (16-bit: and the rescale factors)
   static constexpr int kPFreeBarrier = 2;   // 16-bit: consumer 1 has read them
   static constexpr int kRowMaxBarrier = 2;  // FP8: both consumers' row maxima written
-  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums, then output factors
+  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (FP8), output factors
   static constexpr int kDV = smxx::decode::kDV;
   static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
   static constexpr int kSN = Cfg::kSN;
@@ -915,11 +915,13 @@ struct Sm90Cta {
     const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
     const bool slot_ok = slot >= 0 && slot < p.max_slots;
     const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    float row_factor[2];
     if (d0 == 0) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
-        float factor, lse;
+        float& factor = row_factor[rr];
+        float lse;
         if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf (partial: -inf), sink or not
           factor = 0.f;
           lse = split ? -INFINITY : INFINITY;
@@ -950,12 +952,20 @@ struct Sm90Cta {
         }
       }
     }
-    ptx::named_barrier(kEpilogueBarrier, 256);
+    // Consumer 0 goes on at once: it writes the next factors only after consumer 1 has read
+    // these (consumer 1 arrives at kPFreeBarrier after its epilogue).
+    if (d0 == 0) {
+      ptx::named_barrier_arrive(kEpilogueBarrier, 256);
+    } else {
+      ptx::named_barrier(kEpilogueBarrier, 256);
+      row_factor[0] = factors[r_lo];
+      row_factor[1] = factors[r_lo + 8];
+    }
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int r = r_lo + 8 * rr;
       if (r >= nrows) continue;
-      const float factor = factors[r];
+      const float factor = row_factor[rr];
       if (split) {
         if (!slot_ok) continue;
         const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
