@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "src/cuda/common/fp8.cuh"
 #include "src/cuda/common/ptx.cuh"
@@ -514,6 +515,96 @@ struct Sm90Cta {
 
   // ---------------------------------------------------------------- consumers (warps 8-15)
 
+  // A pair's softmax state, once its Q has landed.
+  __device__ void start_pair(const TileCursor<kT>& cur, int r_lo, float (&m)[2], float (&l)[2],
+                             int (&lim)[2]) const {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      m[rr] = -INFINITY;
+      l[rr] = 0.f;
+      lim[rr] = 0x7fffffff;
+      if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
+    }
+    mbar_wait(q_full_bar(), cur.seg & 1);
+  }
+
+  // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.
+  __device__ void compute_s(float (&s)[kSN / 2], int it, int c, uint32_t q_addr) const {
+    const int st = it % Cfg::kStages;
+    mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
+    fence_proxy_async();
+    const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
+      const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
+      const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kSN * 128;
+      wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
+                                 sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+
+  // Masks S (invalid tokens, causal limit), scales it to base 2 and returns the thread's rows'
+  // maxima over the quad (a row's values of one S sit in one quad).
+  __device__ void mask_and_max(float (&s)[kSN / 2], const TileCursor<kT>& cur, int st, int c,
+                               int lane, const int (&lim)[2], float (&mx)[2]) const {
+    using Bits = std::conditional_t<(kSN > 32), uint64_t, uint32_t>;
+    constexpr int kWarps = kSN / Cfg::kTokensPerWarp;  // producer warps of these tokens
+    const uint8_t* mk = mask_smem(st);
+    Bits vmask = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      vmask |= static_cast<Bits>(mk[c * kWarps + w]) << (w * Cfg::kTokensPerWarp);
+    }
+    const int pos0 = cur.k * kT + c * kSN;
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kSN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+        const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+        s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+    }
+  }
+
+  // S -> 2^(S - m_use); each row's sum is added to l after rescaling it by alpha.
+  __device__ static void exp_rows(float (&s)[kSN / 2], const float (&m_use)[2],
+                                  const float (&alpha)[2], float (&l)[2]) {
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < kSN / 2; ++e) {
+      s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
+      sum[(e >> 1) & 1] += s[e];
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+  }
+
+  // P (16-bit) into shared memory: row r, tokens [c kSN, (c + 1) kSN).
+  __device__ void store_p(const float (&s)[kSN / 2], int c, int r_lo, int lane) const {
+    uint8_t* ps = p_smem();
+#pragma unroll
+    for (int j = 0; j < kSN / 8; ++j) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = r_lo + 8 * rr;
+        const int chunk = c * (kSN / 8) + j;
+        *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
+            ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+      }
+    }
+  }
+
   // FP8 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
   // exchange their row maxima, each writes P for its tokens, and consumer c accumulates
   // O[:, 256c, 256c + 256).
@@ -532,60 +623,20 @@ struct Sm90Cta {
     int lim[2];
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
-      const uint32_t phase = (it / Cfg::kStages) & 1;
       if (cur.first()) {
 #pragma unroll
         for (int e = 0; e < 128; ++e) o[e] = 0.f;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          m[rr] = -INFINITY;
-          l[rr] = 0.f;
-          lim[rr] = 0x7fffffff;
-          if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
-        }
-        mbar_wait(q_full_bar(), cur.seg & 1);
+        start_pair(cur, r_lo, m, l, lim);
       }
-      mbar_wait(full_bar(st), phase);
-      fence_proxy_async();
-      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
-
-      // S = Q K^T for this consumer's kN tokens.
       float s[kSN / 2];
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
-        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kSN * 128;
-        wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
-                                  sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      compute_s(s, it, c, q_addr);
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
-      // Mask and scale to base 2, then the row maxima of both consumers.
-      const uint8_t* mk = mask_smem(st);
-      uint32_t vmask = 0;  // producer warps c*4 .. c*4+3 resolved this consumer's tokens
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        vmask |= static_cast<uint32_t>(mk[c * 4 + w]) << (w * Cfg::kTokensPerWarp);
-      }
-      const int pos0 = cur.k * kT + c * kSN;
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < kSN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-        }
-      }
+      // The row maxima of both consumers.
+      float mx[2];
+      mask_and_max(s, cur, st, c, lane, lim, mx);
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
         if ((lane & 3) == 0) exch(kRowMax0 + c)[r_lo + 8 * rr] = mx[rr];
       }
       ptx::named_barrier(kRowMaxBarrier, 256);
@@ -599,37 +650,19 @@ struct Sm90Cta {
         alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
         m[rr] = m_new;
       }
-      float sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int e = 0; e < kSN / 2; ++e) {
-        s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
-        sum[(e >> 1) & 1] += s[e];
-      }
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+      exp_rows(s, m_use, alpha, l);
       // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
       // 128 multiplies unless a row of the warp moved.
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
       }
-
-      // P (16-bit) into shared memory: row r, tokens [c kSN, (c + 1) kSN).
-      uint8_t* ps = p_smem();
-#pragma unroll
-      for (int j = 0; j < kSN / 8; ++j) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int r = r_lo + 8 * rr;
-          const int chunk = c * (kSN / 8) + j;
-          *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
-              ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-        }
-      }
+      store_p(s, c, r_lo, lane);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
 
       // O[:, 256c, 256c + 256) += P V.
+      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kT / 16; ++kk) {
@@ -743,85 +776,28 @@ struct Sm90Cta {
     int lim[2];
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
-      if (cur.first()) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          m[rr] = -INFINITY;
-          l[rr] = 0.f;
-          lim[rr] = 0x7fffffff;
-          if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
-        }
-        mbar_wait(q_full_bar(), cur.seg & 1);
-      }
-      mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
-      fence_proxy_async();
-      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
-
+      if (cur.first()) start_pair(cur, r_lo, m, l, lim);
       float s[kSN / 2];
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
-        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
-        wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
-                                  sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      compute_s(s, it, 0, q_addr);
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
-      // Mask and scale to base 2, then the row maxima (a row's values sit in one quad).
-      const uint8_t* mk = mask_smem(st);
-      uint64_t vmask = 0;  // producer warp w resolved tokens [w kW, (w + 1) kW)
-#pragma unroll
-      for (int w = 0; w < Cfg::kProducerWarps; ++w) {
-        vmask |= static_cast<uint64_t>(mk[w]) << (w * Cfg::kTokensPerWarp);
-      }
-      const int pos0 = cur.k * kT;
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < kT / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-        }
-      }
+      float mx[2];
+      mask_and_max(s, cur, st, 0, lane, lim, mx);
       float row_alpha[2], m_use[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
         const float m_new = fmaxf(m[rr], mx[rr]);
         // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
         m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
         row_alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
         m[rr] = m_new;
       }
-      float sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int e = 0; e < kSN / 2; ++e) {
-        s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
-        sum[(e >> 1) & 1] += s[e];
-      }
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * row_alpha[rr] + sum[rr];
+      exp_rows(s, m_use, row_alpha, l);
 
-      // P (16-bit) and the rows' rescale factors into shared memory, once consumer 1 is done
-      // with the previous tile's.
+      // P and the rows' rescale factors into shared memory, once consumer 1 is done with the
+      // previous tile's.
       if (it > 0) ptx::named_barrier(kPFreeBarrier, 256);
-      uint8_t* ps = p_smem();
-#pragma unroll
-      for (int j = 0; j < kT / 8; ++j) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int r = r_lo + 8 * rr;
-          *reinterpret_cast<uint32_t*>(ps + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4) =
-              ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-        }
-      }
+      store_p(s, 0, r_lo, lane);
       if ((lane & 3) == 0) {
         alpha[r_lo] = row_alpha[0];
         alpha[r_lo + 8] = row_alpha[1];
@@ -829,7 +805,7 @@ struct Sm90Cta {
       fence_proxy_async();
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
 
-      accumulate_pv(cur, 0, o, row_alpha, p_addr, t_addr);
+      accumulate_pv(cur, 0, o, row_alpha, p_addr, ptx::smem_addr(tile_smem(st)));
       if (wt == 0) mbar_arrive(empty_bar(st));
       if (cur.last()) {
         float l_row[2];
