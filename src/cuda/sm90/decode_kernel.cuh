@@ -803,6 +803,9 @@ struct Sm90Cta {
         alpha[r_lo + 8] = row_alpha[1];
       }
       fence_proxy_async();
+      // This consumer's own P V reads the P rows of its warp's other lanes (the arrival orders
+      // nothing among the arriving threads).
+      __syncwarp();
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
 
       accumulate_pv(cur, 0, o, row_alpha, p_addr, ptx::smem_addr(tile_smem(st)));
