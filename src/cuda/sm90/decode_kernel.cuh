@@ -65,13 +65,14 @@ struct Sm90Config {
   // 16-bit pages (kSingleS): consumer 0 computes S for the whole tile and the softmax, and
   // accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the next tile's S
   // and softmax. The copy-only producers need few registers, which pays for consumer 1's 192
-  // accumulators. FP8 pages: the converting producers need 80-88 registers, so the consumers
+  // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
+  // wgmma). FP8 pages: the converting producers need 80-88 registers, so the consumers
   // split the tile's tokens and the output dims evenly (176 / 168 registers each).
   static constexpr bool kSingleS = !Traits::kFP8;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
   static constexpr int kProducerRegs = kStaged ? 88 : (kSingleS ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
-  static constexpr int kPVRegs = kSingleS ? 224 : 256 - kProducerRegs;
+  static constexpr int kPVRegs = kSingleS ? 232 : 256 - kProducerRegs;
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
   static constexpr int kSN = kSingleS ? kT : kT / 2;  // tokens of a tile in one S
 
@@ -605,6 +606,22 @@ struct Sm90Cta {
     }
   }
 
+  // 16-bit pages: P as the A operand of the P V wgmma, one k-step of 16 tokens a row of pf, in
+  // the S accumulators' layout.
+  using PFrag = uint32_t[kT / 16][4];
+  __device__ static void p_fragments(const float (&s)[kSN / 2], PFrag& pf) {
+#pragma unroll
+    for (int kk = 0; kk < kT / 16; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pf[kk][i] = ptx::pack2<kHalf>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    }
+  }
+  // Consumer 1's thread wt takes the fragments of consumer 0's thread wt (same rows and columns),
+  // 16 bytes a thread and k-step: conflict-free.
+  __device__ uint4* p_exchange(int kk, int wt) const {
+    return reinterpret_cast<uint4*>(p_smem()) + kk * 128 + wt;
+  }
+
   // FP8 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
   // exchange their row maxima, each writes P for its tokens, and consumer c accumulates
   // O[:, 256c, 256c + 256).
@@ -757,7 +774,8 @@ struct Sm90Cta {
   }
 
   // 16-bit pages, consumer 0 (warps 8-11): S = Q K^T over the whole tile, the softmax of all 64
-  // rows, P and the rescale factors into shared memory for both consumers, and O[:, 0, kDimsS).
+  // rows, P and the rescale factors into shared memory for consumer 1, and O[:, 0, kDimsS) with
+  // P from its registers.
   // While it computes the next tile's S and softmax, consumer 1 accumulates this tile's
   // O[:, kDimsS, 512), so the tensor cores have work through the softmax.
   __device__ void consumer_s() {
@@ -765,7 +783,6 @@ struct Sm90Cta {
     const int lane = wt & 31;
     const int r_lo = (wt >> 5) * 16 + (lane >> 2);  // this thread's rows: r_lo, r_lo + 8
     const uint32_t q_addr = ptx::smem_addr(q_smem());
-    const uint32_t p_addr = ptx::smem_addr(p_smem());
     float* alpha = exch(kAlpha);
 
     const PartStart end = p.parts[blockIdx.x + 1];
@@ -793,22 +810,29 @@ struct Sm90Cta {
         m[rr] = m_new;
       }
       exp_rows(s, m_use, row_alpha, l);
+      PFrag pf;
+      p_fragments(s, pf);
 
-      // P and the rows' rescale factors into shared memory, once consumer 1 is done with the
+      // P and the rows' rescale factors into shared memory, once consumer 1 has taken the
       // previous tile's.
       if (it > 0) ptx::named_barrier(kPFreeBarrier, 256);
-      store_p(s, 0, r_lo, lane);
+#pragma unroll
+      for (int kk = 0; kk < kT / 16; ++kk) {
+        *p_exchange(kk, wt) = make_uint4(pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
+      }
       if ((lane & 3) == 0) {
         alpha[r_lo] = row_alpha[0];
         alpha[r_lo + 8] = row_alpha[1];
       }
-      fence_proxy_async();
-      // This consumer's own P V reads the P rows of its warp's other lanes (the arrival orders
-      // nothing among the arriving threads).
-      __syncwarp();
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
 
-      accumulate_pv(cur, 0, o, row_alpha, p_addr, ptx::smem_addr(tile_smem(st)));
+      rescale_o(cur, o, row_alpha);
+      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kT / 16; ++kk) pv_step(o, pf[kk], 0, kk, t_addr, kk > 0 || !cur.first());
+      wgmma_commit();
+      wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
       if (cur.last()) {
         float l_row[2];
@@ -826,7 +850,6 @@ struct Sm90Cta {
     const int wt = threadIdx.x & 127;
     const int lane = wt & 31;
     const int r_lo = (wt >> 5) * 16 + (lane >> 2);
-    const uint32_t p_addr = ptx::smem_addr(p_smem());
     const float* alpha = exch(kAlpha);
 
     const PartStart end = p.parts[blockIdx.x + 1];
@@ -840,43 +863,59 @@ struct Sm90Cta {
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
       const float row_alpha[2] = {alpha[r_lo], alpha[r_lo + 8]};
-      accumulate_pv(cur, kDimsS, o, row_alpha, p_addr, ptx::smem_addr(tile_smem(st)));
+      rescale_o(cur, o, row_alpha);
+      // P one k-step at a time into registers (all four would not fit next to the 192
+      // accumulators): a k-step's registers are free again once its wgmma group has completed.
+      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+#pragma unroll
+      for (int kk = 0; kk < kT / 16; ++kk) {
+        const uint4 v = *p_exchange(kk, wt);
+        const uint32_t a[4] = {v.x, v.y, v.z, v.w};
+        wgmma_fence();
+        pv_step(o, a, kDimsS, kk, t_addr, kk > 0 || !cur.first());
+        wgmma_commit();
+        if (kk > 0) wgmma_wait<1>();
+      }
+      // P and alpha have been read: consumer 0 may write the next tile's, except after a pair's
+      // last tile: consumer 1 reads the pair's output factors in its epilogue first (consumer 0
+      // writes the next pair's only after this barrier).
+      const bool pair_end = cur.last();
+      if (!pair_end) ptx::named_barrier_arrive(kPFreeBarrier, 256);
+      wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
-      if (cur.last()) epilogue(cur, kDimsS, wt, r_lo, o, none, none);
+      if (pair_end) epilogue(cur, kDimsS, wt, r_lo, o, none, none);
       cur.advance(p, end);
-      if (cur.valid(p)) ptx::named_barrier_arrive(kPFreeBarrier, 256);  // done with P
+      if (pair_end && cur.valid(p)) ptx::named_barrier_arrive(kPFreeBarrier, 256);
     }
   }
 
-  // O[:, d0, d0 + 2 kRegs) = alpha O + P V (the pair's first tile overwrites O): kRegs / 64
-  // wgmma m64n128 a k-step.
+  // O = alpha O, unless the pair starts (its first P V overwrites O). Once the row maxima
+  // settle, most tiles leave them unchanged (alpha exactly 1): skip the multiplies unless a row
+  // of the warp moved.
   template <int kRegs>
-  __device__ void accumulate_pv(const TileCursor<kT>& cur, int d0, float (&o)[kRegs],
-                                const float (&alpha)[2], uint32_t p_addr, uint32_t t_addr) const {
-    // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
-    // multiplies unless a row of the warp moved.
+  __device__ static void rescale_o(const TileCursor<kT>& cur, float (&o)[kRegs],
+                                   const float (&alpha)[2]) {
     if (!cur.first() && __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int e = 0; e < kRegs; ++e) o[e] *= alpha[(e >> 1) & 1];
     }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kT / 16; ++kk) {
-      const uint64_t pa = sw128_desc(p_addr + kk * 32, 0, 1024);
-      const uint32_t v = t_addr + (d0 / 64) * Cfg::kBlockBytes + kk * 16 * 128;
-      const int accumulate = kk > 0 || !cur.first();
-      wgmma_m64n128_kmn<kHalf, 0>(o, pa, sw128_desc(v, Cfg::kBlockBytes, 1024), accumulate);
-      if constexpr (kRegs > 64) {
-        wgmma_m64n128_kmn<kHalf, 64>(
-            o, pa, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
-      }
-      if constexpr (kRegs > 128) {
-        wgmma_m64n128_kmn<kHalf, 128>(
-            o, pa, sw128_desc(v + 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
-      }
+  }
+
+  // O[:, d0, d0 + 2 kRegs) += P V for k-step kk (16 tokens) of the tile at t_addr, P from
+  // registers: kRegs / 64 wgmma m64n128. accumulate == 0 overwrites O.
+  template <int kRegs>
+  __device__ static void pv_step(float (&o)[kRegs], const uint32_t (&a)[4], int d0, int kk,
+                                 uint32_t t_addr, int accumulate) {
+    const uint32_t v = t_addr + (d0 / 64) * Cfg::kBlockBytes + kk * 16 * 128;
+    wgmma_m64n128_rs<kHalf, 0>(o, a, sw128_desc(v, Cfg::kBlockBytes, 1024), accumulate);
+    if constexpr (kRegs > 64) {
+      wgmma_m64n128_rs<kHalf, 64>(
+          o, a, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
+    if constexpr (kRegs > 128) {
+      wgmma_m64n128_rs<kHalf, 128>(
+          o, a, sw128_desc(v + 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
+    }
   }
 
   // 16-bit pages: the pair's output. Consumer 0 (d0 == 0), given the row maxima m and the rows'

@@ -159,6 +159,28 @@ __device__ __forceinline__ void wgmma_m64n128_kmn(float (&d)[kN], uint64_t a, ui
   }
 }
 
+// As wgmma_m64n128_kmn, with A from registers: a[] holds the thread's four 16-bit pairs of the
+// 64 x 16 A tile in the accumulator layout of an m64n16 wgmma (rows lane / 4 and lane / 4 + 8 of
+// the warp's 16, columns 2 (lane % 4) and 8 + 2 (lane % 4)).
+template <bool kHalf, int kOff, int kN>
+__device__ __forceinline__ void wgmma_m64n128_rs(float (&d)[kN], const uint32_t (&a)[4], uint64_t b,
+                                                 int accumulate) {
+  static_assert(kOff + 64 <= kN, "the accumulators lie within d");
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, acc, 1, 1, 1;\n}\n"
+        : "+f"(d[kOff+0]), "+f"(d[kOff+1]), "+f"(d[kOff+2]), "+f"(d[kOff+3]), "+f"(d[kOff+4]), "+f"(d[kOff+5]), "+f"(d[kOff+6]), "+f"(d[kOff+7]), "+f"(d[kOff+8]), "+f"(d[kOff+9]), "+f"(d[kOff+10]), "+f"(d[kOff+11]), "+f"(d[kOff+12]), "+f"(d[kOff+13]), "+f"(d[kOff+14]), "+f"(d[kOff+15]), "+f"(d[kOff+16]), "+f"(d[kOff+17]), "+f"(d[kOff+18]), "+f"(d[kOff+19]), "+f"(d[kOff+20]), "+f"(d[kOff+21]), "+f"(d[kOff+22]), "+f"(d[kOff+23]), "+f"(d[kOff+24]), "+f"(d[kOff+25]), "+f"(d[kOff+26]), "+f"(d[kOff+27]), "+f"(d[kOff+28]), "+f"(d[kOff+29]), "+f"(d[kOff+30]), "+f"(d[kOff+31]), "+f"(d[kOff+32]), "+f"(d[kOff+33]), "+f"(d[kOff+34]), "+f"(d[kOff+35]), "+f"(d[kOff+36]), "+f"(d[kOff+37]), "+f"(d[kOff+38]), "+f"(d[kOff+39]), "+f"(d[kOff+40]), "+f"(d[kOff+41]), "+f"(d[kOff+42]), "+f"(d[kOff+43]), "+f"(d[kOff+44]), "+f"(d[kOff+45]), "+f"(d[kOff+46]), "+f"(d[kOff+47]), "+f"(d[kOff+48]), "+f"(d[kOff+49]), "+f"(d[kOff+50]), "+f"(d[kOff+51]), "+f"(d[kOff+52]), "+f"(d[kOff+53]), "+f"(d[kOff+54]), "+f"(d[kOff+55]), "+f"(d[kOff+56]), "+f"(d[kOff+57]), "+f"(d[kOff+58]), "+f"(d[kOff+59]), "+f"(d[kOff+60]), "+f"(d[kOff+61]), "+f"(d[kOff+62]), "+f"(d[kOff+63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, acc, 1, 1, 1;\n}\n"
+        : "+f"(d[kOff+0]), "+f"(d[kOff+1]), "+f"(d[kOff+2]), "+f"(d[kOff+3]), "+f"(d[kOff+4]), "+f"(d[kOff+5]), "+f"(d[kOff+6]), "+f"(d[kOff+7]), "+f"(d[kOff+8]), "+f"(d[kOff+9]), "+f"(d[kOff+10]), "+f"(d[kOff+11]), "+f"(d[kOff+12]), "+f"(d[kOff+13]), "+f"(d[kOff+14]), "+f"(d[kOff+15]), "+f"(d[kOff+16]), "+f"(d[kOff+17]), "+f"(d[kOff+18]), "+f"(d[kOff+19]), "+f"(d[kOff+20]), "+f"(d[kOff+21]), "+f"(d[kOff+22]), "+f"(d[kOff+23]), "+f"(d[kOff+24]), "+f"(d[kOff+25]), "+f"(d[kOff+26]), "+f"(d[kOff+27]), "+f"(d[kOff+28]), "+f"(d[kOff+29]), "+f"(d[kOff+30]), "+f"(d[kOff+31]), "+f"(d[kOff+32]), "+f"(d[kOff+33]), "+f"(d[kOff+34]), "+f"(d[kOff+35]), "+f"(d[kOff+36]), "+f"(d[kOff+37]), "+f"(d[kOff+38]), "+f"(d[kOff+39]), "+f"(d[kOff+40]), "+f"(d[kOff+41]), "+f"(d[kOff+42]), "+f"(d[kOff+43]), "+f"(d[kOff+44]), "+f"(d[kOff+45]), "+f"(d[kOff+46]), "+f"(d[kOff+47]), "+f"(d[kOff+48]), "+f"(d[kOff+49]), "+f"(d[kOff+50]), "+f"(d[kOff+51]), "+f"(d[kOff+52]), "+f"(d[kOff+53]), "+f"(d[kOff+54]), "+f"(d[kOff+55]), "+f"(d[kOff+56]), "+f"(d[kOff+57]), "+f"(d[kOff+58]), "+f"(d[kOff+59]), "+f"(d[kOff+60]), "+f"(d[kOff+61]), "+f"(d[kOff+62]), "+f"(d[kOff+63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+}
+
 #endif  // SPARSE_MLA_SM90_DEVICE
 
 }  // namespace sparse_mla::cuda::sm90
