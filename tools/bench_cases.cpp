@@ -289,6 +289,35 @@ std::vector<Case> all_cases() {
     }
   }
 
+  // Dense decode where FlashMLA has no kernel, bf16, s_q 1, s_k 16384, about 2.4 GB of cache
+  // each (b 128; 64 with 2 KV heads, 16 with 8): page sizes other than 64 (the same work as dense/BF16/sq1/sk16384 at h_q 128 and
+  // dense_tp/BF16/h16 at h_q 16), head counts down to 1, several KV heads.
+  struct AnyShape {
+    int64_t page_size, h_q, h_kv, b;
+  };
+  constexpr AnyShape kAnyShapes[] = {
+      {16, 128, 1, 128}, {32, 128, 1, 128}, {128, 128, 1, 128}, {256, 128, 1, 128},
+      {16, 16, 1, 128},  {32, 16, 1, 128},  {128, 16, 1, 128},  {256, 16, 1, 128},
+      {64, 1, 1, 128},   {64, 8, 1, 128},   {64, 64, 1, 128},   {64, 16, 2, 64},
+      {64, 128, 8, 16}};
+  for (const AnyShape& a : kAnyShapes) {
+    Case c;
+    c.op = OpKind::kDenseDecode;
+    c.format = KVFormat::kBF16;
+    c.name = fmt("dense_any/p%lld/h%lld/kv%lld", (long long)a.page_size, (long long)a.h_q,
+                 (long long)a.h_kv);
+    c.suite = "dense_any";
+    c.config = fmt("dense h_q=%lld h_kv=%lld", (long long)a.h_q, (long long)a.h_kv);
+    c.b = a.b;
+    c.s_q = 1;
+    c.h_q = a.h_q;
+    c.h_kv = a.h_kv;
+    c.context = 16384;
+    c.context_jitter = 0;
+    c.page_size = a.page_size;
+    add(c);
+  }
+
   // KV kernels: quantize-and-store one decode step (b=128 new tokens), a prefill chunk and a
   // large batch; page repack 256 -> 64 and 64 -> 256.
   for (KVFormat f : {KVFormat::kModel1, KVFormat::kV32}) {
