@@ -14,9 +14,10 @@
 //             of all rows, and writes P (bf16, as wgmma A fragments) and the rows' rescale
 //             factors into shared memory; consumer 0 accumulates O[:, 0, 128), consumer 1
 //             O[:, 128, 512) while consumer 0 goes on to the next tile's S and softmax, both
-//             with P from registers. FP8 pages: P V reads P from shared memory. FP8 pages: consumer c computes S for
-//             tokens [c kT/2, (c+1) kT/2) (m64n24/32), the two exchange their row maxima and
-//             write P for their tokens, and consumer c accumulates O[:, 256c, 256c + 256).
+//             with P from registers. FP8 pages: consumer c computes S for tokens
+//             [c kT/2, (c+1) kT/2) (m64n24/32), the two exchange their row maxima and write P
+//             for their tokens, and consumer c accumulates O[:, 256c, 256c + 256) with P read
+//             from shared memory.
 // Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
 // between the consumers per tile (16-bit: P ready, P read; FP8: row maxima, P ready).
 //
