@@ -290,8 +290,9 @@ std::vector<Case> all_cases() {
   }
 
   // Dense decode where FlashMLA has no kernel, bf16, s_q 1, s_k 16384, about 2.4 GB of cache
-  // each (b 128; 64 with 2 KV heads, 16 with 8): page sizes other than 64 (the same work as dense/BF16/sq1/sk16384 at h_q 128 and
-  // dense_tp/BF16/h16 at h_q 16), head counts down to 1, several KV heads.
+  // each (b 128; 64 with 2 KV heads, 16 with 8): page sizes other than 64 (the same work as
+  // dense/BF16/sq1/sk16384 at h_q 128 and dense_tp/BF16/h16 at h_q 16), head counts down to 1,
+  // several KV heads.
   struct AnyShape {
     int64_t page_size, h_q, h_kv, b;
   };
