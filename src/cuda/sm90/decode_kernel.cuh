@@ -615,7 +615,9 @@ struct Sm90Cta {
 #pragma unroll
     for (int kk = 0; kk < kT / 16; ++kk) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) pf[kk][i] = ptx::pack2<kHalf>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+      for (int i = 0; i < 4; ++i) {
+        pf[kk][i] = ptx::pack2<kHalf>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+      }
     }
   }
   // Consumer 1's thread wt takes the fragments of consumer 0's thread wt (same rows and columns),
@@ -832,7 +834,9 @@ struct Sm90Cta {
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kT / 16; ++kk) pv_step(o, pf[kk], 0, kk, t_addr, kk > 0 || !cur.first());
+      for (int kk = 0; kk < kT / 16; ++kk) {
+        pv_step(o, pf[kk], 0, kk, t_addr, kk > 0 || !cur.first());
+      }
       wgmma_commit();
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
