@@ -113,18 +113,22 @@ RefOutput sparse_decode_reference(const SparseDecodeArgs& a) {
   return r;
 }
 
-RefOutput dense_decode_reference(const DenseDecodeArgs& a) {
+RefOutput dense_decode_reference(const DenseDecodeArgs& a, HeadWindow window) {
   const int64_t b = a.q.shape[0], s_q = a.q.shape[1], h_q = a.q.shape[2];
   const int d_qk = static_cast<int>(a.q.shape[3]);
   const double scale = a.softmax_scale ? *a.softmax_scale : std::pow(d_qk, -0.5);
   const int64_t h_kv = a.kv.num_heads;
-  const int64_t group = h_q / h_kv;
+  const int64_t group = (window.total > 0 ? window.total : h_q) / h_kv;
   const int64_t max_pages = a.block_table.shape[1];
   const int64_t ps = a.kv.page_size;
   RefOutput r = make_output(b, s_q, h_q, kDV);
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t hk = 0; hk < h_kv; ++hk) {
+      // Heads of q (numbered within the window) that read KV head hk.
+      const int64_t h_begin = std::max<int64_t>(hk * group - window.first, 0);
+      const int64_t h_end = std::min<int64_t>((hk + 1) * group - window.first, h_q);
+      if (h_begin >= h_end) continue;
       const int64_t seqlen =
           std::clamp<int64_t>(static_cast<int64_t>(load(a.cache_seqlens, {i})), 0, max_pages * ps);
       // Rows in token order; position[j] is the token index of rows[j].
@@ -145,7 +149,7 @@ RefOutput dense_decode_reference(const DenseDecodeArgs& a) {
           const int64_t last = seqlen - s_q + s;  // query token s sees t <= last
           for (size_t j = 0; j < rows.size(); ++j) visible[j] = position[j] <= last;
         }
-        for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        for (int64_t h = h_begin; h < h_end; ++h) {
           const std::vector<double> q = load_q(a.q, i, s, h);
           attend(q.data(), d_qk, rows, &visible, scale, nullptr, r, i, s, h);
         }

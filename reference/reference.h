@@ -29,9 +29,16 @@ struct RefOutput {
 // Sparse decode: one softmax over the valid slots of both caches (entries past the clamped
 // lengths, -1 and out-of-range slots skipped), sink applied to out only.
 RefOutput sparse_decode_reference(const SparseDecodeArgs& args);
+// Which query heads args.q holds: heads [first, first + q's h_q) of a call with `total` heads
+// (total 0: all of them). A window keeps each head on the KV head of its place in the whole call,
+// (first + h) / (total / h_kv), which a plain slice of q would change when h_kv > 1.
+struct HeadWindow {
+  int64_t first = 0;
+  int64_t total = 0;
+};
 // Dense decode through the block table: lengths clamped, causal, h_kv grouping, block-table
 // entries outside [0, num_pages) skipped.
-RefOutput dense_decode_reference(const DenseDecodeArgs& args);
+RefOutput dense_decode_reference(const DenseDecodeArgs& args, HeadWindow window = {});
 // Merge of (out, lse) parts: parts with lse +-inf contribute nothing; sink applied once.
 RefOutput merge_reference(const MergeArgs& args);
 

@@ -504,7 +504,7 @@ ref::RefOutput reference_slice(const Case& c, const Inputs& in, const HostOutput
   a.softmax_scale = in.softmax_scale;
   a.out = slice(slice(dummy.out.view(), 0, i, 1), 2, h0, hw);
   a.lse = slice(slice(dummy.lse.view(), 0, i, 1), 1, h0, hw);
-  return ref::dense_decode_reference(a);
+  return ref::dense_decode_reference(a, ref::HeadWindow{h0, c.h_q});
 }
 
 bool all_finite_bf16(const ref::HostTensor& t) {

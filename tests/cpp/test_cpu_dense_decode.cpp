@@ -113,6 +113,33 @@ TEST_P(CpuDenseDecode, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuDenseDecode, ::testing::ValuesIn(dense_params()),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The bench checks windows of query heads against the reference: a window must keep each head on
+// the KV head of its place in the whole call. h_q 12, h_kv 3 (groups of 4): heads 3..8 read KV
+// heads 0, 1 and 2, where a plain 6-head slice would put them in groups of 2.
+TEST(DenseReference, HeadWindowKeepsEachHeadOnItsKVHead) {
+  ref::DenseCaseConfig cfg = base(KVFormat::kBF16, 2, 2, 12, 3, 37, 90, true);
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  const ref::DenseCase c = ref::make_dense_case(cfg);
+  const ref::RefOutput all = ref::dense_decode_reference(c.args());
+  const int64_t first = 3, count = 6;
+  DenseDecodeArgs a = c.args();
+  a.q.data = static_cast<char*>(a.q.data) + first * a.q.strides[2] * dtype_size(a.q.dtype);
+  a.q.shape[2] = count;
+  const ref::RefOutput window = ref::dense_decode_reference(a, ref::HeadWindow{first, 12});
+  ASSERT_EQ(window.h_q, count);
+  for (int64_t i = 0; i < cfg.b; ++i) {
+    for (int64_t s = 0; s < cfg.s_q; ++s) {
+      for (int64_t h = 0; h < count; ++h) {
+        ASSERT_EQ(window.lse_at(i, s, h), all.lse_at(i, s, first + h)) << i << " " << s << " " << h;
+        for (int64_t d = 0; d < window.d_v; ++d) {
+          ASSERT_EQ(window.out_at(i, s, h, d), all.out_at(i, s, first + h, d)) << i << " " << h;
+        }
+      }
+    }
+  }
+}
+
 // Requests of length 0, shorter than s_q (causal rows that see nothing), negative, and longer
 // than the block table holds (clamped to max_pages * page_size).
 TEST(CpuDenseDecodeCorners, EmptyShortAndOverlongRequests) {
