@@ -220,7 +220,8 @@ TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
   ASSERT_TRUE(capture_step(stream, dev, dense_decode_workspace_size, dense_decode_plan,
                            dense_decode, &ws, &graph));
   auto check_all = [&](const char* what) {
-    check_layers(layers, dev, ref::dense_decode_reference, ref::Tolerance::dense(), what);
+    const auto reference = [](const DenseDecodeArgs& a) { return ref::dense_decode_reference(a); };
+    check_layers(layers, dev, reference, ref::Tolerance::dense(), what);
   };
   for (auto& d : dev) d->poison_outputs();
   ASSERT_TRUE(graph.replay(stream));
