@@ -292,7 +292,7 @@ std::vector<Case> all_cases() {
   // Dense decode where FlashMLA has no kernel, bf16, s_q 1, s_k 16384, about 2.4 GB of cache
   // each (b 128; 64 with 2 KV heads, 16 with 8): page sizes other than 64 (the same work as
   // dense/BF16/sq1/sk16384 at h_q 128 and dense_tp/BF16/h16 at h_q 16), head counts down to 1,
-  // several KV heads.
+  // several KV heads (h_q 128 over 2 of them: 64 query rows a KV head, the Hopper kernel).
   struct AnyShape {
     int64_t page_size, h_q, h_kv, b;
   };
@@ -300,7 +300,7 @@ std::vector<Case> all_cases() {
       {16, 128, 1, 128}, {32, 128, 1, 128}, {128, 128, 1, 128}, {256, 128, 1, 128},
       {16, 16, 1, 128},  {32, 16, 1, 128},  {128, 16, 1, 128},  {256, 16, 1, 128},
       {64, 1, 1, 128},   {64, 8, 1, 128},   {64, 64, 1, 128},   {64, 16, 2, 64},
-      {64, 128, 8, 16}};
+      {64, 128, 2, 64},  {64, 128, 8, 16}};
   for (const AnyShape& a : kAnyShapes) {
     Case c;
     c.op = OpKind::kDenseDecode;

@@ -126,6 +126,15 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"model1_b3_sq2_h16_strided_q_out_padded_pages", c});
   }
   {
+    // h_kv > 1 with more than 16 query rows a KV head, which the Hopper kernel takes: 2 KV
+    // heads x 3 row blocks (64, 64 and 16 of the 144 rows at h_q 96, s_q 3), and one 64-row
+    // block a KV head.
+    auto c = base(BF, 2, 3, 96, 2, 48, {300, 77});
+    c.causal = true;
+    v.push_back({"bf16_b2_sq3_h96_hkv2_page48_causal", c});
+    v.push_back({"fp16_b3_sq1_h128_hkv2_page32", base(FP, 3, 1, 128, 2, 32)});
+  }
+  {
     auto c = base(M1, 2, 1, 64, 1, 64);
     c.softmax_scale = 1.0f / std::sqrt(512.0f);
     v.push_back({"model1_b2_sq1_h64_default_scale", c});
