@@ -673,12 +673,7 @@ struct Sm90Cta {
         m[rr] = m_new;
       }
       exp_rows(s, m_use, alpha, l);
-      // Once the row maxima settle, most tiles leave them unchanged (alpha exactly 1): skip the
-      // 128 multiplies unless a row of the warp moved.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
-      }
+      rescale_o(cur, o, alpha);
       store_p(s, c, r_lo, lane);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
