@@ -25,6 +25,7 @@
 // blocks of [rows x 128 bytes]; 16-byte chunk c of row r sits at chunk c ^ (r % 8).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -201,6 +202,9 @@ struct Sm90Cta {
   const DecodeParams& p;
   uint8_t* smem;
   int grp, row0, nrows;
+  // 16-bit dense pages as a TMA tensor (dim, KV head, token in page, page), boxes of 64 dims x
+  // 8 tokens; nullptr where the host could not describe the cache that way.
+  const CUtensorMap* kv_map;
 
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
@@ -286,7 +290,8 @@ struct Sm90Cta {
     cur.init(p, end);
     TileCursor<kT> nxt = cur;
     nxt.advance(p, end);
-    RowRef ref = lane < kW ? resolve_token(cur, tok, raw_token(cur, tok)) : RowRef{nullptr, nullptr};
+    int raw = lane < kW ? raw_token(cur, tok) : -1;  // dense: the page of ref's token
+    RowRef ref = lane < kW ? resolve_token(cur, tok, raw) : RowRef{nullptr, nullptr};
     int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
 
     for (int it = 0; cur.valid(p); ++it) {
@@ -310,8 +315,9 @@ struct Sm90Cta {
       // Rows of the next tile, raw values of the one after.
       TileCursor<kT> after = nxt;
       after.advance(p, end);
+      const int raw_res = raw_next;
       const RowRef ref_next =
-          lane < kW ? resolve_token(nxt, tok, raw_next) : RowRef{nullptr, nullptr};
+          lane < kW ? resolve_token(nxt, tok, raw_res) : RowRef{nullptr, nullptr};
       // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
       // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
       // of its throughput on dense bf16 h_q 128, the extra requests cost 1-3% (variant 26).
@@ -327,6 +333,22 @@ struct Sm90Cta {
       uint8_t* tile = tile_smem(st);
       const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
       if (lane == 0) mask_smem(st)[pw] = static_cast<uint8_t>(valid);
+      // 16-bit dense pages: a warp whose kW tokens are all present (so in one page, whose size
+      // the host checked to be a multiple of kW) takes them as one TMA box per 64-dim block.
+      bool by_tma = false;
+      if constexpr (!Tr::kFP8) {
+        by_tma = kv_map != nullptr && valid == (1u << kW) - 1;
+        if (by_tma && lane == 0) {
+          const int pos = cur.k * kT + pw * kW;
+          const int off = static_cast<int>(p.kv.page_div.remainder(pos, p.kv.page_div.quotient(pos)));
+          mbar_expect_tx(full_bar(st), kChunks / 8 * kW * 128);
+#pragma unroll
+          for (int b = 0; b < kChunks / 8; ++b) {
+            tma_load_4d(tile + b * Cfg::kBlockBytes + pw * kW * 128, kv_map, full_bar(st), b * 64,
+                        grp, off, raw);
+          }
+        }
+      }
 #pragma unroll
       for (int j = 0; j < kW; ++j) {
         const int t = pw * kW + j;
@@ -347,7 +369,7 @@ struct Sm90Cta {
           const uint32_t first = sw_off(t, 2 * lane + swap, kT);
           *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
           *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
-        } else {
+        } else if (!by_tma) {
           const auto row = row_of_lane(ref, j);
 #pragma unroll
           for (int ch = lane; ch < kChunks; ch += 32) {
@@ -380,6 +402,7 @@ struct Sm90Cta {
       cur = nxt;
       nxt = after;
       ref = ref_next;
+      raw = raw_res;
     }
     ptx::cp_async_wait<0>();
   }
@@ -1014,7 +1037,8 @@ struct Sm90Cta {
 
 template <Fmt F>
 __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
-    sm90_decode_kernel(const __grid_constant__ DecodeParams p) {
+    sm90_decode_kernel(const __grid_constant__ DecodeParams p,
+                       const __grid_constant__ CUtensorMap kv_map, int kv_tma) {
 #if SPARSE_MLA_SM90_DEVICE
   // The combine kernel may start launching now; it waits for this grid before reading partials.
   ptx::launch_dependent_grids();
@@ -1023,6 +1047,7 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
   const uint32_t base = ptx::smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((1024 - (base & 1023)) & 1023);
   Sm90Cta<F> cta{p, smem};
+  cta.kv_map = kv_tma ? &kv_map : nullptr;
   cta.grp = 0;
   int rb = blockIdx.y;
   if (p.dense) {

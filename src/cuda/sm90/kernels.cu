@@ -1,11 +1,16 @@
 // The sm_90a decode kernels, one per KV format, and whether this build and device can run them.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 
 #include "src/cuda/sm90/decode_kernel.cuh"
+#include "src/cuda/common/check.h"
 #include "src/cuda/cuda_backend.h"
 #include "src/cuda/sm90/sm90.h"
 
@@ -19,7 +24,71 @@ smxx::decode::KernelEntry entry() {
                                    Cfg::kThreads, Cfg::kSmemBytes, Cfg::kT, Cfg::kRows};
 }
 
+// The driver's tensor-map encoder, looked up once through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // not sticky; the kernel then copies rows with cp.async
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// Sm90Cta::kv_map for 16-bit dense pages: the cache as a (dim, KV head, token, page) tensor
+// read in boxes of 64 dims x 8 tokens with the 128-byte swizzle of the tile. False where TMA
+// cannot describe the cache (alignment, a page size that is not a multiple of 8 tokens, no
+// pages); the kernel then copies every row with cp.async.
+bool encode_kv_map(Fmt fmt, const DecodeParams& p, CUtensorMap* map) {
+  constexpr int kTokensPerBox = Sm90Config<Fmt::kBF16>::kTokensPerWarp;
+  const smxx::decode::CacheRef& c = p.kv;
+  if (!p.dense || (fmt != Fmt::kBF16 && fmt != Fmt::kFP16)) return false;
+  if (c.base == nullptr || c.num_pages <= 0 || c.page_size % kTokensPerBox != 0) return false;
+  const uint64_t row_bytes = kDenseHeadDim * 2;
+  const uint64_t token_bytes = row_bytes * static_cast<uint64_t>(p.h_kv);
+  if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.page_stride % 16 != 0 ||
+      static_cast<uint64_t>(c.page_stride) < token_bytes * static_cast<uint64_t>(c.page_size)) {
+    return false;
+  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDenseHeadDim),
+                              static_cast<cuuint64_t>(p.h_kv),
+                              static_cast<cuuint64_t>(c.page_size),
+                              static_cast<cuuint64_t>(c.num_pages)};
+  const cuuint64_t strides[3] = {row_bytes, token_bytes, static_cast<cuuint64_t>(c.page_stride)};
+  const cuuint32_t box[4] = {64, 1, kTokensPerBox, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<uint8_t*>(c.base), dims,
+                strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
+
+Status launch_decode(const smxx::decode::DecodeShape& shape, const DecodeParams& params,
+                     cudaStream_t stream) {
+  CUtensorMap map{};
+  int kv_tma = encode_kv_map(shape.fmt, params, &map) ? 1 : 0;
+  // Test hook: SPARSE_MLA_SM90_TMA=0 keeps every row on the cp.async path.
+  if (const char* env = std::getenv("SPARSE_MLA_SM90_TMA")) {
+    if (std::string(env) == "0") kv_tma = 0;
+  }
+  const dim3 grid(static_cast<unsigned>(shape.num_parts),
+                  static_cast<unsigned>(shape.blocks_per_group * shape.groups));
+  void* args[] = {const_cast<DecodeParams*>(&params), &map, &kv_tma};
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(shape.kernel.fn, grid,
+                                                   dim3(shape.kernel.threads), args,
+                                                   static_cast<size_t>(shape.kernel.smem_bytes),
+                                                   stream));
+  return check_launch("sparse_mla sm90 decode kernel");
+}
 
 bool query_usable(int device, std::string* why_not) {
   cudaDeviceProp prop{};

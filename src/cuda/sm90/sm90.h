@@ -2,7 +2,11 @@
 // plan, launch and combine (src/cuda/smxx/decode/launch.h) as one more tile configuration.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <string>
+
+#include "sparse_mla/status.h"
 
 #include "src/cuda/smxx/decode/config.h"
 #include "src/cuda/smxx/decode/launch.h"
@@ -11,6 +15,10 @@ namespace sparse_mla::cuda::sm90 {
 
 // The wgmma decode kernel for one KV format (64 query rows, 64-token tiles).
 smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt);
+
+// Launches the kernel of shape.kernel (from kernel_entry) on the plan in params.
+Status launch_decode(const smxx::decode::DecodeShape& shape, const smxx::decode::DecodeParams& params,
+                     cudaStream_t stream);
 
 // Uncached check behind cuda::sm90_usable (cuda_backend.h).
 bool query_usable(int device, std::string* why_not);

@@ -50,6 +50,27 @@ __device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
 }
 
+// Adds `bytes` to the transactions the barrier's current phase waits for (the TMA copies below
+// complete them); no arrival.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(
+                   ptx::smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// TMA: one box of the 4-d tensor `map` at coordinates c0..c3 (innermost first) into shared
+// memory at `dst`, completing its bytes on `bar`. Coordinates outside the tensor read zeros.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* map, uint64_t* bar, int c0,
+                                            int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(ptx::smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(ptx::smem_addr(bar))
+      : "memory");
+}
+
 // Makes this thread's generic-proxy shared-memory writes visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -135,6 +135,19 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"fp16_b3_sq1_h128_hkv2_page32", base(FP, 3, 1, 128, 2, 32)});
   }
   {
+    // The Hopper kernel's two ways to fetch 16-bit rows: TMA boxes of 8 tokens where the page
+    // size is a multiple of 8 (here with 64-token tiles straddling pages of 40 and padded page
+    // strides), cp.async rows elsewhere (pages of 61).
+    auto c = base(FP, 3, 2, 64, 2, 40, {333, 80, 7});
+    c.q_layout = ref::Layout::kTransposed;
+    c.out_layout = ref::Layout::kPadded;
+    c.page_stride = ref::default_page_stride(FP, 40, 2) + 96;
+    v.push_back({"fp16_b3_sq2_h64_hkv2_page40_padded_pages", c});
+    auto d = base(BF, 2, 2, 32, 1, 61, {250, 64});
+    d.causal = true;
+    v.push_back({"bf16_b2_sq2_h32_page61_causal", d});
+  }
+  {
     auto c = base(M1, 2, 1, 64, 1, 64);
     c.softmax_scale = 1.0f / std::sqrt(512.0f);
     v.push_back({"model1_b2_sq1_h64_default_scale", c});

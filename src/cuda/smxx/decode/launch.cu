@@ -227,6 +227,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 }
 
 Status launch_decode(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
+  if (shape.sm90) return sm90::launch_decode(shape, params, stream);
   const dim3 grid(static_cast<unsigned>(shape.num_parts),
                   static_cast<unsigned>(shape.blocks_per_group * shape.groups));
   void* args[] = {const_cast<DecodeParams*>(&params)};
