@@ -161,8 +161,10 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   }
   // The Hopper kernel computes 64 rows per CTA. With 17-32 rows it still beats the portable
   // 32-row tiles despite the padding (H200, b = 128, h_q 32: sparse MODEL1 C1 97 us against
-  // 126 us, dense bf16 s_k 16384 708 us against 1157 us); with 16 rows or fewer the portable
-  // 16-row tiles are as fast or faster (h_q 16: 74 against 95 us, 696 against 691 us). Small
+  // 126 us, dense bf16 s_k 16384 708 us against 1157 us). With 16 rows or fewer the portable
+  // 16-row tiles are as fast or faster on FP8 pages (h_q 16: MODEL1 C1 74 against 95 us, dense
+  // MODEL1 766 against 912 us); 16-bit pages, which the Hopper kernel loads by TMA, take it at
+  // any row count (dense bf16 h_q 16 s_k 16384: 598 against 696 us, h_q 1: 591 against 689). Small
   // batches (above) finish sooner on 32-row portable CTAs (H200, MODEL1 b = 2: 17-18 us against
   // 19-21 us on the 6 h_q 64 rows this rule routes; the h_q 128 s_q 2 rows are not small by it
   // and stay on the Hopper kernel, which is as fast or faster there). Test hook:
@@ -170,7 +172,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // shapes of the GPU tests cover it.
   const char* sm90_small = std::getenv("SPARSE_MLA_SM90_SMALL_BATCHES");
   const bool keep_small = sm90_small != nullptr && std::string(sm90_small) == "1";
-  const bool use_sm90 = sm90 && rows_per_group > 16 && !force && (!small_batch || keep_small);
+  const bool wide = rows_per_group > 16 || fmt == Fmt::kBF16 || fmt == Fmt::kFP16;
+  const bool use_sm90 = sm90 && wide && !force && (!small_batch || keep_small);
   if (use_sm90) {
     k = sm90::kernel_entry(fmt);
     if (k.smem_bytes > dev.max_smem_optin) k = KernelEntry{};
