@@ -6,7 +6,8 @@
 //             tile for all 64 rows. MODEL1: raw rows land with cp.async in a ring of two raw
 //             stages, far ahead of their use, and are dequantized from there (the gather latency
 //             stays off the producers' path). V32: rows go through registers (no shared memory
-//             left for a ring at d_qk 576). bf16/fp16: cp.async straight into the tile. They
+//             left for a ring at d_qk 576). bf16/fp16: straight into the tile, dense pages
+//             by TMA (a box of 8 tokens x 64 dims), rows TMA cannot take by cp.async. They
 //             also load Q at the start of every pair.
 //   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
 //             dims read MN-major; S is a wgmma with both operands in shared memory.
