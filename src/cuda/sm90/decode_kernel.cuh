@@ -204,7 +204,8 @@ struct Sm90Cta {
   uint8_t* smem;
   int grp, row0, nrows;
   // 16-bit dense pages as a TMA tensor (dim, KV head, token in page, page), boxes of 64 dims x
-  // 8 tokens; nullptr where the host could not describe the cache that way.
+  // 8 tokens; nullptr where the host could not describe the cache that way (or
+  // SPARSE_MLA_SM90_TMA=0).
   const CUtensorMap* kv_map;
 
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }

@@ -146,6 +146,8 @@ std::vector<DenseParam> dense_params() {
     auto d = base(BF, 2, 2, 32, 1, 61, {250, 64});
     d.causal = true;
     v.push_back({"bf16_b2_sq2_h32_page61_causal", d});
+    // 4 query rows a KV head on pages of 8 (the smallest TMA page: one box a page).
+    v.push_back({"bf16_b2_sq1_h16_hkv4_page8", base(BF, 2, 1, 16, 4, 8, {203, 64})});
   }
   {
     auto c = base(M1, 2, 1, 64, 1, 64);

@@ -161,10 +161,11 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   }
   // The Hopper kernel computes 64 rows per CTA. With 17-32 rows it still beats the portable
   // 32-row tiles despite the padding (H200, b = 128, h_q 32: sparse MODEL1 C1 97 us against
-  // 126 us, dense bf16 s_k 16384 708 us against 1157 us). With 16 rows or fewer the portable
-  // 16-row tiles are as fast or faster on FP8 pages (h_q 16: MODEL1 C1 74 against 95 us, dense
-  // MODEL1 766 against 912 us); 16-bit pages, which the Hopper kernel loads by TMA, take it at
-  // any row count (dense bf16 h_q 16 s_k 16384: 598 against 696 us, h_q 1: 591 against 689). Small
+  // 126 us, dense bf16 s_k 16384 708 us against 1157 us). With 16 rows or fewer FP8 pages stay
+  // on the portable 16-row tiles (h_q 16, portable against Hopper: sparse MODEL1 C1 74 against
+  // 95 us, dense MODEL1 766 against 912 us, dense V32 820 against 803); 16-bit pages, which the
+  // Hopper kernel loads by TMA, take it at any row count (Hopper against portable, dense bf16
+  // s_k 16384: h_q 16 598 against 696 us, h_q 1 591 against 689). Small
   // batches (above) finish sooner on 32-row portable CTAs (H200, MODEL1 b = 2: 17-18 us against
   // 19-21 us on the 6 h_q 64 rows this rule routes; the h_q 128 s_q 2 rows are not small by it
   // and stay on the Hopper kernel, which is as fast or faster there). Test hook:

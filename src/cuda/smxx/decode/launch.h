@@ -53,8 +53,8 @@ struct DecodeShape {
 
 // rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams; max_len bounds the
 // tokens of a pair from the shapes alone (0: unknown). sm90: use the Hopper wgmma kernel
-// (src/cuda/sm90/) where it applies (16-bit dense pages; FP8 pages with more than 16 rows per
-// token list), except small batches.
+// (src/cuda/sm90/) where it applies: 16-bit pages at any row count, FP8 pages with more than
+// 16 rows per token list except small sparse batches.
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
                          int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
                          DecodeShape* shape);
