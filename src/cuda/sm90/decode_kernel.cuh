@@ -342,7 +342,8 @@ struct Sm90Cta {
         by_tma = kv_map != nullptr && valid == (1u << kW) - 1;
         if (by_tma && lane == 0) {
           const int pos = cur.k * kT + pw * kW;
-          const int off = static_cast<int>(p.kv.page_div.remainder(pos, p.kv.page_div.quotient(pos)));
+          const int off =
+              static_cast<int>(p.kv.page_div.remainder(pos, p.kv.page_div.quotient(pos)));
           mbar_expect_tx(full_bar(st), kChunks / 8 * kW * 128);
 #pragma unroll
           for (int b = 0; b < kChunks / 8; ++b) {

@@ -42,8 +42,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // Sm90Cta::kv_map for 16-bit dense pages: the cache as a (dim, KV head, token, page) tensor
 // read in boxes of 64 dims x 8 tokens with the 128-byte swizzle of the tile. False where TMA
-// cannot describe the cache (alignment, a page size that is not a multiple of 8 tokens, no
-// pages); the kernel then copies every row with cp.async.
+// cannot describe the cache (a page size that is not a multiple of 8 tokens, no pages); the
+// kernel then copies every row with cp.async. The 16-byte alignment of base and page stride
+// and the stride's lower bound that TMA needs are checked by the API's validation.
 bool encode_kv_map(Fmt fmt, const DecodeParams& p, CUtensorMap* map) {
   constexpr int kTokensPerBox = Sm90Config<Fmt::kBF16>::kTokensPerWarp;
   const smxx::decode::CacheRef& c = p.kv;
@@ -51,10 +52,6 @@ bool encode_kv_map(Fmt fmt, const DecodeParams& p, CUtensorMap* map) {
   if (c.base == nullptr || c.num_pages <= 0 || c.page_size % kTokensPerBox != 0) return false;
   const uint64_t row_bytes = kDenseHeadDim * 2;
   const uint64_t token_bytes = row_bytes * static_cast<uint64_t>(p.h_kv);
-  if (reinterpret_cast<uintptr_t>(c.base) % 16 != 0 || c.page_stride % 16 != 0 ||
-      static_cast<uint64_t>(c.page_stride) < token_bytes * static_cast<uint64_t>(c.page_size)) {
-    return false;
-  }
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDenseHeadDim),
@@ -80,13 +77,11 @@ Status launch_decode(const smxx::decode::DecodeShape& shape, const DecodeParams&
   if (const char* env = std::getenv("SPARSE_MLA_SM90_TMA")) {
     if (std::string(env) == "0") kv_tma = 0;
   }
-  const dim3 grid(static_cast<unsigned>(shape.num_parts),
-                  static_cast<unsigned>(shape.blocks_per_group * shape.groups));
   void* args[] = {const_cast<DecodeParams*>(&params), &map, &kv_tma};
-  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(shape.kernel.fn, grid,
-                                                   dim3(shape.kernel.threads), args,
-                                                   static_cast<size_t>(shape.kernel.smem_bytes),
-                                                   stream));
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernel(shape.kernel.fn, smxx::decode::decode_grid(shape),
+                       dim3(shape.kernel.threads), args,
+                       static_cast<size_t>(shape.kernel.smem_bytes), stream));
   return check_launch("sparse_mla sm90 decode kernel");
 }
 

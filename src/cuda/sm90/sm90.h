@@ -17,8 +17,8 @@ namespace sparse_mla::cuda::sm90 {
 smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt);
 
 // Launches the kernel of shape.kernel (from kernel_entry) on the plan in params.
-Status launch_decode(const smxx::decode::DecodeShape& shape, const smxx::decode::DecodeParams& params,
-                     cudaStream_t stream);
+Status launch_decode(const smxx::decode::DecodeShape& shape,
+                     const smxx::decode::DecodeParams& params, cudaStream_t stream);
 
 // Uncached check behind cuda::sm90_usable (cuda_backend.h).
 bool query_usable(int device, std::string* why_not);

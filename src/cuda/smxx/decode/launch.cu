@@ -232,10 +232,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 
 Status launch_decode(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
   if (shape.sm90) return sm90::launch_decode(shape, params, stream);
-  const dim3 grid(static_cast<unsigned>(shape.num_parts),
-                  static_cast<unsigned>(shape.blocks_per_group * shape.groups));
   void* args[] = {const_cast<DecodeParams*>(&params)};
-  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(shape.kernel.fn, grid,
+  SPARSE_MLA_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(shape.kernel.fn, decode_grid(shape),
                                                    dim3(shape.kernel.threads), args,
                                                    static_cast<size_t>(shape.kernel.smem_bytes),
                                                    stream));

@@ -65,6 +65,12 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 inline constexpr int kOverheadTokens = 64;
 inline constexpr int kMinTokensPerPart = 64;
 
+// The attention kernel's grid: a part a CTA along x, the row blocks of every group along y.
+inline dim3 decode_grid(const DecodeShape& shape) {
+  return dim3(static_cast<unsigned>(shape.num_parts),
+              static_cast<unsigned>(shape.blocks_per_group * shape.groups));
+}
+
 Status launch_plan(const PlanParams& params, cudaStream_t stream);
 Status launch_decode(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream);
 // Merges the partials of split pairs into out / lse (no-op CTAs for unsplit pairs).
