@@ -3,12 +3,13 @@
 //
 // One CTA owns 64 query rows and walks the 64-token tiles of its part. Four warpgroups:
 //   producers (warps 0-7): gather each tile's rows, kT / 8 tokens a warp, and write them as a bf16
-//             tile for all 64 rows. MODEL1: raw rows land with cp.async in a ring of two raw
-//             stages, far ahead of their use, and are dequantized from there (the gather latency
-//             stays off the producers' path). V32: rows go through registers (no shared memory
-//             left for a ring at d_qk 576). bf16/fp16: straight into the tile, dense pages
-//             by TMA (a box of 8 tokens x 64 dims), rows TMA cannot take by cp.async. They
-//             also load Q at the start of every pair.
+//             tile for all 64 rows. MODEL1: raw rows land by bulk copy (one a token; the
+//             scales by cp.async) in a ring of two raw stages, far ahead of their use, and are
+//             dequantized from there (the gather latency stays off the producers' path). V32:
+//             rows go through registers (no shared memory left for a ring at d_qk 576).
+//             bf16/fp16: straight into the tile, dense pages by TMA (a box of 8 tokens x 64
+//             dims), rows TMA cannot take by cp.async. They also load Q at the start of
+//             every pair.
 //   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
 //             dims read MN-major; S is a wgmma with both operands in shared memory.
 //             16-bit pages: consumer 0 computes S for the whole tile (wgmma m64n64), the softmax
@@ -96,7 +97,8 @@ struct Sm90Config {
   static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;  // [4][kRows] floats
   static constexpr int kMaskOff = kExchOff + 4 * kRows * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
-  static constexpr int kNumBars = 2 * kStages + 2;
+  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy)
+  static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
   static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
 
@@ -224,6 +226,10 @@ struct Sm90Cta {
   __device__ uint64_t* empty_bar(int st) const { return bar(Cfg::kStages + st); }
   __device__ uint64_t* q_full_bar() const { return bar(2 * Cfg::kStages); }
   __device__ uint64_t* q_empty_bar() const { return bar(2 * Cfg::kStages + 1); }
+  // MODEL1: warp pw's rows of raw stage rs landed (bulk copies).
+  __device__ uint64_t* raw_bar(int rs, int pw) const {
+    return bar(2 * Cfg::kStages + 2 + rs * Cfg::kProducerWarps + pw);
+  }
 
   // Query row `lr` of the CTA's group -> (query token, head).
   __device__ void row_coords(int lr, int sq, int* s, int* head) const {
@@ -410,29 +416,34 @@ struct Sm90Cta {
     ptx::cp_async_wait<0>();
   }
 
-  // MODEL1 producers: the raw rows and scales of tile u land in raw stage u % kRawStages (one
-  // cp.async group per tile); each warp copies, and later converts, its own kW tokens.
+  // MODEL1 producers: the raw rows and scales of tile u land in raw stage u % kRawStages (rows:
+  // on the warp's raw_bar; scales: one cp.async group per tile); each warp copies, and later
+  // converts, its own kW tokens.
   __device__ uint8_t* raw_smem(int rs) const { return smem + Cfg::kRawOff + rs * Cfg::kRawBytes; }
 
   __device__ void issue_raw(int rs, const RowRef& ref, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
     constexpr int kRowChunks = Cfg::kRawRowBytes / 16;
     constexpr int kCopies = kW * kRowChunks;
+    static_assert(Cfg::kRawRowBytes % 16 == 0, "bulk copies move whole 16-byte chunks");
     uint8_t* raw = raw_smem(rs);
     const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
     if (lane == 0) raw[Cfg::kRawScaleOff + kT * 8 + pw] = static_cast<uint8_t>(valid);
-    // The warp's kW rows are contiguous in the stage, so copy c (16 bytes) of the warp lands at
-    // byte 16 c: lanes take consecutive copies. Missing rows are zero-filled (finite V).
+    // The warp's kW rows are contiguous in the stage. Missing rows are zero-filled (finite V).
     uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
-#pragma unroll
-    for (int u = 0; u < (kCopies + 31) / 32; ++u) {
-      const int c = u * 32 + lane;
-      const int j = c / kRowChunks;  // < 32: every lane takes part in the shuffle
-      const auto row = row_of_lane(ref, j);
-      if (c < kCopies) {
-        const bool ok = row != nullptr;
-        ptx::cp_async_16_zfill(dst + c * 16, ok ? row + (c - j * kRowChunks) * 16 : never_read(),
-                               ok);
+    // Lane j < kW copies token j's row in one bulk copy onto the warp's barrier of this stage
+    // (the API demands 16-byte aligned pages and strides, and rows are 576 bytes); lane 0's
+    // arrival announces the bytes of all present rows. Absent rows are zeroed by the whole warp.
+    if (lane == 0) mbar_arrive_expect_tx(raw_bar(rs, pw), __popc(valid) * Cfg::kRawRowBytes);
+    if (lane < kW && ref.row != nullptr) {
+      bulk_copy(dst + lane * Cfg::kRawRowBytes, ref.row, Cfg::kRawRowBytes, raw_bar(rs, pw));
+    }
+    if (valid != (1u << kW) - 1) {
+#pragma unroll 1
+      for (int c = lane; c < kCopies; c += 32) {
+        if (!((valid >> (c / kRowChunks)) & 1)) {
+          reinterpret_cast<uint4*>(dst)[c] = make_uint4(0, 0, 0, 0);
+        }
       }
     }
     if (lane < kW) {
@@ -528,8 +539,11 @@ struct Sm90Cta {
       }
       ptx::cp_async_wait<Cfg::kRawStages - 1>();  // this thread's copies of tile `it` landed
       __syncwarp();                                // ... and those of the other lanes
+      mbar_wait(raw_bar(rs, pw), (it / Cfg::kRawStages) & 1);
       mbar_wait(empty_bar(st), ((it / Cfg::kStages) & 1) ^ 1);
       convert_raw(rs, st, lane, pw);
+      // Orders this thread's tile stores before the wgmma reads, and its reads of raw stage rs
+      // before the bulk copies that refill it (both async proxy).
       fence_proxy_async();
       mbar_arrive(full_bar(st));
       __syncwarp();  // every lane has read raw stage rs before it is refilled
@@ -1068,6 +1082,9 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
     }
     mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);
     mbar_init(cta.q_empty_bar(), Cfg::kSingleS ? 1 : 2);  // the consumers that read Q
+    for (int b = 0; b < Cfg::kRawStages * Cfg::kProducerWarps; ++b) {
+      mbar_init(cta.raw_bar(b / Cfg::kProducerWarps, b % Cfg::kProducerWarps), 1);
+    }
     fence_barrier_init();
   }
   __syncthreads();

@@ -71,6 +71,25 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, uint64_t
       : "memory");
 }
 
+// One arrival on `bar` that also adds `bytes` to the transactions its phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   ptx::smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory
+// with the bulk-copy engine, completing them on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(ptx::smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(ptx::smem_addr(bar))
+      : "memory");
+}
+
 // Makes this thread's generic-proxy shared-memory writes visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
