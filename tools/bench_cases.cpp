@@ -319,6 +319,32 @@ std::vector<Case> all_cases() {
     add(c);
   }
 
+  // Small dense batches, s_q 1, pages of 64: latency-bound calls (one request of a chat, a few
+  // of a lightly loaded server) where the choice between the Hopper and the portable kernel is
+  // decided by start-up cost, not by throughput.
+  for (KVFormat f : {KVFormat::kBF16, KVFormat::kModel1}) {
+    for (int64_t b : {1, 8}) {
+      for (int64_t h_q : {16, 128}) {
+        for (int64_t context : {1024, 8192}) {
+          Case c;
+          c.op = OpKind::kDenseDecode;
+          c.format = f;
+          c.name = fmt("dense_small/%s/h%lld/sk%lld/b%lld", kv_format_name(f), (long long)h_q,
+                       (long long)context, (long long)b);
+          c.suite = "dense_small";
+          c.config = fmt("dense small %s", kv_format_name(f));
+          c.b = b;
+          c.s_q = 1;
+          c.h_q = h_q;
+          c.context = context;
+          c.context_jitter = 0;
+          c.page_size = 64;
+          add(c);
+        }
+      }
+    }
+  }
+
   // KV kernels: quantize-and-store one decode step (b=128 new tokens), a prefill chunk and a
   // large batch; page repack 256 -> 64 and 64 -> 256.
   for (KVFormat f : {KVFormat::kModel1, KVFormat::kV32}) {

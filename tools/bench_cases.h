@@ -18,7 +18,7 @@ const char* op_name(OpKind op);  // "sparse", "dense", "quantize_store", "repack
 struct Case {
   std::string name;    // unique, e.g. "sparse/C1/sq2/b128"
   std::string suite;   // group for selection: model1, model1_peak, tp, v32, dense, dense_tp,
-                       // dense_imb, dense_any, kv
+                       // dense_imb, dense_any, dense_small, kv
   std::string config;  // series label for plots, e.g. "C1", "C1 h16", "bf16 s_q=1"
   OpKind op = OpKind::kSparseDecode;
   KVFormat format = KVFormat::kModel1;

@@ -1,7 +1,8 @@
 // CUDA graphs: one decode step captured as "plan once, run every layer" (what an engine does),
 // replayed after lengths, indices, block tables and cache contents change in place; every layer
 // must still match the fp64 reference, which proves that the plan is recomputed on the device and
-// nothing was baked in at capture time.
+// nothing was baked in at capture time. Each test captures in both modes: thread-local, and
+// global (torch.cuda.graph's default), where any capture-unsafe CUDA call would end the capture.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,8 +26,8 @@ using gpu_test::Stream;
 class Graph {
  public:
   template <typename F>
-  ::testing::AssertionResult capture(const Stream& stream, F&& body) {
-    cudaError_t err = cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal);
+  ::testing::AssertionResult capture(const Stream& stream, cudaStreamCaptureMode mode, F&& body) {
+    cudaError_t err = cudaStreamBeginCapture(stream.get(), mode);
     if (err != cudaSuccess) return ::testing::AssertionFailure() << cudaGetErrorString(err);
     const Status st = body();
     cudaGraph_t graph = nullptr;
@@ -67,13 +68,14 @@ template <typename Dev, typename SizeFn, typename PlanFn, typename RunFn>
 ::testing::AssertionResult capture_step(const Stream& stream,
                                         const std::vector<std::unique_ptr<Dev>>& dev,
                                         SizeFn size_fn, PlanFn plan_fn, RunFn run_fn,
-                                        std::unique_ptr<DeviceWorkspace>* ws, Graph* graph) {
+                                        std::unique_ptr<DeviceWorkspace>* ws,
+                                        cudaStreamCaptureMode mode, Graph* graph) {
   const Options o = stream.options();
   WorkspaceSizes sizes;
   const Status st = size_fn(dev[0]->args, o, &sizes);
   if (!st.ok()) return ::testing::AssertionFailure() << st.to_string();
   *ws = std::make_unique<DeviceWorkspace>(sizes);
-  return graph->capture(stream, [&]() -> Status {
+  return graph->capture(stream, mode, [&]() -> Status {
     SPARSE_MLA_RETURN_IF_ERROR(plan_fn(dev[0]->args, (*ws)->ws, o));
     for (const auto& d : dev) SPARSE_MLA_RETURN_IF_ERROR(run_fn(d->args, (*ws)->ws, o));
     return Status::Ok();
@@ -104,8 +106,7 @@ void set_lengths(ref::SparseCase& c, const std::vector<int32_t>& main,
   }
 }
 
-TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdates) {
-  SKIP_WITHOUT_GPU();
+void sparse_step_replays(cudaStreamCaptureMode mode) {
   constexpr int kLayers = 3;
   ref::SparseCaseConfig cfg;
   cfg.format = KVFormat::kModel1;
@@ -157,7 +158,7 @@ TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdates) {
   std::unique_ptr<DeviceWorkspace> ws;
   Graph graph;
   ASSERT_TRUE(capture_step(stream, dev, sparse_decode_workspace_size, sparse_decode_plan,
-                           sparse_decode, &ws, &graph));
+                           sparse_decode, &ws, mode, &graph));
   auto check_all = [&](const char* what) {
     check_layers(layers, dev, ref::sparse_decode_reference, ref::Tolerance::sparse(), what);
   };
@@ -182,8 +183,7 @@ TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdates) {
   check_all("after in-place update");
 }
 
-TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
-  SKIP_WITHOUT_GPU();
+void dense_step_replays(cudaStreamCaptureMode mode) {
   constexpr int kLayers = 2;
   ref::DenseCaseConfig cfg;
   cfg.format = KVFormat::kBF16;
@@ -218,7 +218,7 @@ TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
   std::unique_ptr<DeviceWorkspace> ws;
   Graph graph;
   ASSERT_TRUE(capture_step(stream, dev, dense_decode_workspace_size, dense_decode_plan,
-                           dense_decode, &ws, &graph));
+                           dense_decode, &ws, mode, &graph));
   auto check_all = [&](const char* what) {
     const auto reference = [](const DenseDecodeArgs& a) { return ref::dense_decode_reference(a); };
     check_layers(layers, dev, reference, ref::Tolerance::dense(), what);
@@ -246,6 +246,26 @@ TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
   upload(dev[0]->cache_seqlens, layers[0].cache_seqlens);
   ASSERT_TRUE(graph.replay(stream));
   check_all("after in-place update");
+}
+
+TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdates) {
+  SKIP_WITHOUT_GPU();
+  sparse_step_replays(cudaStreamCaptureModeThreadLocal);
+}
+
+TEST(CudaGraph, SparsePlanAndLayersReplayAfterInPlaceUpdatesGlobalCapture) {
+  SKIP_WITHOUT_GPU();
+  sparse_step_replays(cudaStreamCaptureModeGlobal);
+}
+
+TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdates) {
+  SKIP_WITHOUT_GPU();
+  dense_step_replays(cudaStreamCaptureModeThreadLocal);
+}
+
+TEST(CudaGraph, DensePlanAndLayersReplayAfterInPlaceUpdatesGlobalCapture) {
+  SKIP_WITHOUT_GPU();
+  dense_step_replays(cudaStreamCaptureModeGlobal);
 }
 
 }  // namespace
