@@ -29,10 +29,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();  // not sticky; the kernel then copies rows with cp.async
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                             cudaEnableDefault, &found);
+    // A failed lookup is not sticky; clear it so that the launch check does not report it. The
+    // kernel then copies rows with cp.async.
+    if (err != cudaSuccess) cudaGetLastError();
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
       return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);

@@ -296,10 +296,11 @@ __device__ __forceinline__ void store_token(const QuantizeParams& p, int64_t slo
   }
 }
 
-// At most 48 registers (5 blocks, 40 warps per SM on sm_90): the V32 bf16 variant would otherwise
-// take 53 and fit only 4 blocks; 40 would make it spill.
+// Vectorized rows: at most 48 registers (5 blocks, 40 warps per SM on sm_90): the V32 bf16
+// variant would otherwise take 53 and fit only 4 blocks; 40 would make it spill. The unaligned-row
+// fallback gets 4 blocks: at 48 registers its V32 bf16 variant spilled 8 bytes on sm_80.
 template <KVFormat kFormat, DType kSrc, bool kVec>
-__global__ void __launch_bounds__(256, 5) quantize_store_kernel(QuantizeParams p) {
+__global__ void __launch_bounds__(256, kVec ? 5 : 4) quantize_store_kernel(QuantizeParams p) {
   using L = QuantLayout<kFormat, kSrc>;
   using T = typename L::T;
   const int lane = threadIdx.x % kWarp;
