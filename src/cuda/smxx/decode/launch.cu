@@ -208,7 +208,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // One wave of CTAs over all row blocks.
   const int64_t slots = static_cast<int64_t>(dev.sm_count) * ctas_per_sm;
   s.num_parts = static_cast<int>(std::max<int64_t>(1, slots / row_blocks));
-  s.overhead_tiles = std::max(1, kOverheadTokens / k.tile_tokens);
+  s.overhead_tiles =
+      use_sm90 ? kSm90OverheadTiles : std::max(1, kOverheadTokens / k.tile_tokens);
   s.min_tiles_per_part = std::max(1, kMinTokensPerPart / k.tile_tokens);
   s.busy_parts = s.num_parts;
   if (max_len > 0) {

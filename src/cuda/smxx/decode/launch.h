@@ -41,7 +41,8 @@ struct DecodeShape {
   int rows_per_pair = 0;
   int num_parts = 0;  // grid.x
   int64_t busy_parts = 0;  // parts that can get work: num_parts, fewer for short token lists
-  int overhead_tiles = 0;      // planner cost line, in tiles of the kernel (kOverheadTokens)
+  int overhead_tiles = 0;  // planner cost line, in tiles of the kernel (kOverheadTokens or
+                           // kSm90OverheadTiles)
   int min_tiles_per_part = 0;  // (kMinTokensPerPart)
   bool dependent_launch = false;  // combine as a programmatic dependent launch (sm_90+)
   int max_slots = 0;
@@ -59,10 +60,13 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
                          int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
                          DecodeShape* shape);
 
-// Cost-line constants of the planner (in tiles): a pair's fixed cost (Q load, pipeline fill,
-// epilogue) and the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row,
-// so cutting below a few tiles costs more traffic than it saves).
+// Cost-line constants of the planner: a pair's fixed cost (Q load, pipeline fill, epilogue) and
+// the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row, so cutting
+// below a few tiles costs more traffic than it saves). The Hopper kernel's fixed cost is two of
+// its tiles (H200 sweep, sm90_notes.md variant 32: one tile left C3/C4 b=128 2.6-4% slower,
+// three or more slowed C1 b=128 by 8%).
 inline constexpr int kOverheadTokens = 64;
+inline constexpr int kSm90OverheadTiles = 2;
 inline constexpr int kMinTokensPerPart = 64;
 
 // The attention kernel's grid: a part a CTA along x, the row blocks of every group along y.
