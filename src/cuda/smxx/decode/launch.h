@@ -63,8 +63,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 // Cost-line constants of the planner: a pair's fixed cost (Q load, pipeline fill, epilogue) and
 // the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row, so cutting
 // below a few tiles costs more traffic than it saves). The Hopper kernel's fixed cost is two of
-// its tiles (H200 sweep, sm90_notes.md variant 32: one tile left C3/C4 b=128 2.6-4% slower,
-// three or more slowed C1 b=128 by 8%).
+// its tiles (H200 sweep, sm90_notes.md variant 32: one tile left MODEL1 C3/C4 b=128 2.6-4%
+// slower, four or five slowed C1 b=128 by 8%).
 inline constexpr int kOverheadTokens = 64;
 inline constexpr int kSm90OverheadTiles = 2;
 inline constexpr int kMinTokensPerPart = 64;
