@@ -653,6 +653,7 @@ struct Runner {
     SparseDecodeArgs sub = host;
     sub.q = every_kth(host.q, k);
     sub.indices = every_kth(host.indices, k);
+    if (host.topk_length) sub.topk_length = every_kth(*host.topk_length, k);
     if (host.extra_indices) sub.extra_indices = every_kth(*host.extra_indices, k);
     if (host.extra_topk_length) sub.extra_topk_length = every_kth(*host.extra_topk_length, k);
     sub.out = every_kth(host.out, k);
