@@ -97,8 +97,8 @@ struct Sm90Config {
   static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;  // [4][kRows] floats
   static constexpr int kMaskOff = kExchOff + 4 * kRows * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
-  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy)
-  static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps;
+  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy), + P free (16-bit)
+  static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps + 1;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
   static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
 
@@ -195,7 +195,6 @@ struct Sm90Cta {
 
   // Named barriers between the consumers (0 is __syncthreads).
   static constexpr int kPReadyBarrier = 1;  // P written (16-bit: and the rescale factors)
-  static constexpr int kPFreeBarrier = 2;   // 16-bit: consumer 1 has read them
   static constexpr int kRowMaxBarrier = 2;  // FP8: both consumers' row maxima written
   static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (FP8), output factors
   static constexpr int kDV = smxx::decode::kDV;
@@ -229,6 +228,12 @@ struct Sm90Cta {
   // MODEL1: warp pw's rows of raw stage rs landed (bulk copies).
   __device__ uint64_t* raw_bar(int rs, int pw) const {
     return bar(2 * Cfg::kStages + 2 + rs * Cfg::kProducerWarps + pw);
+  }
+  // 16-bit pages: consumer 1 has read P, the rescale factors and the output factors, so
+  // consumer 0 may write the next ones. An mbarrier rather than a named barrier: its arrive
+  // orders consumer 1's earlier reads, which compute-sanitizer's racecheck can follow.
+  __device__ uint64_t* p_free_bar() const {
+    return bar(2 * Cfg::kStages + 2 + Cfg::kRawStages * Cfg::kProducerWarps);
   }
 
   // Query row `lr` of the CTA's group -> (query token, head).
@@ -855,7 +860,7 @@ struct Sm90Cta {
 
       // P and the rows' rescale factors into shared memory, once consumer 1 has taken the
       // previous tile's.
-      if (it > 0) ptx::named_barrier(kPFreeBarrier, 256);
+      if (it > 0) mbar_wait(p_free_bar(), (it - 1) & 1);
 #pragma unroll
       for (int kk = 0; kk < kT / 16; ++kk) {
         *p_exchange(kk, wt) = make_uint4(pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
@@ -922,12 +927,12 @@ struct Sm90Cta {
       // last tile: consumer 1 reads the pair's output factors in its epilogue first (consumer 0
       // writes the next pair's only after this barrier).
       const bool pair_end = cur.last();
-      if (!pair_end) ptx::named_barrier_arrive(kPFreeBarrier, 256);
+      if (!pair_end) mbar_arrive(p_free_bar());
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
       if (pair_end) epilogue(cur, kDimsS, wt, r_lo, o, none, none);
       cur.advance(p, end);
-      if (pair_end && cur.valid(p)) ptx::named_barrier_arrive(kPFreeBarrier, 256);
+      if (pair_end && cur.valid(p)) mbar_arrive(p_free_bar());
     }
   }
 
@@ -1013,7 +1018,7 @@ struct Sm90Cta {
       }
     }
     // Consumer 0 goes on at once: it writes the next factors only after consumer 1 has read
-    // these (consumer 1 arrives at kPFreeBarrier after its epilogue).
+    // these (consumer 1 arrives at p_free_bar after its epilogue).
     if (d0 == 0) {
       ptx::named_barrier_arrive(kEpilogueBarrier, 256);
     } else {
@@ -1082,6 +1087,7 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
     }
     mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);
     mbar_init(cta.q_empty_bar(), Cfg::kSingleS ? 1 : 2);  // the consumers that read Q
+    mbar_init(cta.p_free_bar(), 128);                       // consumer 1's threads
     for (int b = 0; b < Cfg::kRawStages * Cfg::kProducerWarps; ++b) {
       mbar_init(cta.raw_bar(b / Cfg::kProducerWarps, b % Cfg::kProducerWarps), 1);
     }
