@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include "reference/testdata.h"
 
@@ -118,6 +120,13 @@ RefOutput dense_decode_reference(const DenseDecodeArgs& a, HeadWindow window) {
   const int d_qk = static_cast<int>(a.q.shape[3]);
   const double scale = a.softmax_scale ? *a.softmax_scale : std::pow(d_qk, -0.5);
   const int64_t h_kv = a.kv.num_heads;
+  if (window.total != 0 && (window.first < 0 || window.first + h_q > window.total ||
+                            window.total % h_kv != 0)) {
+    throw std::invalid_argument(
+        "dense_decode_reference: head window [" + std::to_string(window.first) + ", " +
+        std::to_string(window.first + h_q) + ") must lie in [0, " + std::to_string(window.total) +
+        ") and total must be a multiple of h_kv " + std::to_string(h_kv));
+  }
   const int64_t group = (window.total > 0 ? window.total : h_q) / h_kv;
   const int64_t max_pages = a.block_table.shape[1];
   const int64_t ps = a.kv.page_size;

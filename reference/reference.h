@@ -31,7 +31,8 @@ struct RefOutput {
 RefOutput sparse_decode_reference(const SparseDecodeArgs& args);
 // Which query heads args.q holds: heads [first, first + q's h_q) of a call with `total` heads
 // (total 0: all of them). A window keeps each head on the KV head of its place in the whole call,
-// (first + h) / (total / h_kv), which a plain slice of q would change when h_kv > 1.
+// (first + h) / (total / h_kv), which a plain slice of q would change when h_kv > 1. A window
+// outside [0, total), or a total that h_kv does not divide, throws std::invalid_argument.
 struct HeadWindow {
   int64_t first = 0;
   int64_t total = 0;

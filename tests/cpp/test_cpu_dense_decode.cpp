@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <ostream>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <vector>
@@ -138,6 +139,17 @@ TEST(DenseReference, HeadWindowKeepsEachHeadOnItsKVHead) {
       }
     }
   }
+}
+
+// A window that does not fit the call is an error, not a silently empty reference.
+TEST(DenseReference, HeadWindowOutsideTheCallThrows) {
+  const ref::DenseCase c = ref::make_dense_case(base(KVFormat::kBF16, 1, 1, 12, 3, 16, 20, false));
+  DenseDecodeArgs a = c.args();
+  a.q.shape[2] = 6;
+  EXPECT_THROW(ref::dense_decode_reference(a, ref::HeadWindow{7, 12}), std::invalid_argument);
+  EXPECT_THROW(ref::dense_decode_reference(a, ref::HeadWindow{-1, 12}), std::invalid_argument);
+  EXPECT_THROW(ref::dense_decode_reference(a, ref::HeadWindow{0, 10}), std::invalid_argument);
+  EXPECT_NO_THROW(ref::dense_decode_reference(a, ref::HeadWindow{6, 12}));
 }
 
 // Requests of length 0, shorter than s_q (causal rows that see nothing), negative, and longer
