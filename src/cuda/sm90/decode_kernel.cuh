@@ -145,16 +145,28 @@ struct TileCursor {
     return i;
   }
 
-  // Enters pair pr at tile kt, skipping pairs with no tile in this part.
-  __device__ void enter(const DecodeParams& p, PartStart end, int kt) {
+  // Enters pair pr at tile kt, skipping pairs with no tile in this part. known_len >= 0: pair pr's
+  // lengths are known_n_main / known_len (the part table's copy for a part's first pair), so the
+  // first index loads do not wait for a pairs[] read.
+  __device__ void enter(const DecodeParams& p, PartStart end, int kt, int known_n_main,
+                        int known_len) {
     while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
-      const PairInfo info = p.pairs[pr];
-      const int ntiles = smxx::decode::pair_tiles(info.len, kT);
+      int pair_n_main, pair_len;
+      if (known_len >= 0) {
+        pair_n_main = known_n_main;
+        pair_len = known_len;
+        known_len = -1;
+      } else {
+        const PairInfo info = p.pairs[pr];
+        pair_n_main = info.n_main;
+        pair_len = info.len;
+      }
+      const int ntiles = smxx::decode::pair_tiles(pair_len, kT);
       k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
       if (kt < k1) {
         k = k0 = kt;
-        n_main = info.n_main;
-        len = info.len;
+        n_main = pair_n_main;
+        len = pair_len;
         pair_coords(p, pr, &i, &sq);
         return;
       }
@@ -168,7 +180,7 @@ struct TileCursor {
     const PartStart begin = p.parts[blockIdx.x];
     pr = begin.pair;
     seg = 0;
-    enter(p, end, begin.tile);
+    enter(p, end, begin.tile, begin.n_main, begin.len);
   }
 
   __device__ void advance(const DecodeParams& p, PartStart end) {
@@ -179,7 +191,7 @@ struct TileCursor {
     }
     ++pr;
     ++seg;
-    enter(p, end, 0);
+    enter(p, end, 0, 0, -1);
   }
 };
 

@@ -23,10 +23,14 @@ SPARSE_MLA_HD I pair_tiles(I len, I tile) {
   return len > 0 ? (len + tile - 1) / tile : 1;
 }
 
-// Start of a part on the cost line: the first tile it owns (pair, tile within the pair).
-struct PartStart {
+// Start of a part on the cost line: the first tile it owns (pair, tile within the pair), with
+// that pair's lengths (PairInfo n_main, len), so that a CTA can load its first indices without
+// reading pairs[] first.
+struct alignas(16) PartStart {
   int32_t pair;
   int32_t tile;
+  int32_t n_main;
+  int32_t len;
 };
 
 struct alignas(16) PairInfo {

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
   // 2. First tile of every part (and the end sentinel): the first tile at cost >= g * q.
   for (int g = tid; g <= p.num_parts; g += kPlanThreads) {
     const int64_t target = g * q;
-    PartStart ps{p.num_pairs, 0};
+    PartStart ps{p.num_pairs, 0, 0, 0};
     if (target < C) {
       // Smallest pair whose end on the cost line lies past target.
       int lo = 0, hi = p.num_pairs - 1;
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
         }
       }
       const int64_t k = target - p.pairs[lo].cost_begin - ovh;
-      ps = PartStart{lo, static_cast<int>(k > 0 ? k : 0)};
+      ps = PartStart{lo, static_cast<int>(k > 0 ? k : 0), p.pairs[lo].n_main, p.pairs[lo].len};
     }
     p.parts[g] = ps;
   }
