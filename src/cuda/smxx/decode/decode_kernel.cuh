@@ -224,10 +224,12 @@ struct DecodeCta {
     }
   }
 
+  // `info` needs only the lengths (n_main, len); the epilogue reads the rest from the plan.
   __device__ void segment(int pr, int k0, int k1, const PairInfo& info) {
     const int i = p.dense ? pr : pr / p.s_q;
     const int sq = p.dense ? 0 : pr % p.s_q;
     const int n = k1 - k0;
+    if (tid == 0) ptx::prefetch_l2(p.pairs + pr);  // for the epilogue
 
     // ---- prologue: rows of tiles 0..kPD, Q, copies of tiles 0..kPD-1 ----
     // The index loads go out before the Q copies, which would otherwise queue ahead of them:
@@ -289,7 +291,7 @@ struct DecodeCta {
       compute_tile(t, (k0 + t) * kT, lim, o, m, l);
     }
 
-    epilogue(pr, i, sq, info, o, m, l);
+    epilogue(pr, i, sq, p.pairs[pr], o, m, l);
     __syncthreads();  // Q / staging / rings are reused by the next segment
   }
 
@@ -552,8 +554,17 @@ __global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
   const PartStart begin = p.parts[blockIdx.x];
   const PartStart end = p.parts[blockIdx.x + 1];
   int pr = begin.pair, k0 = begin.tile;
+  bool first = true;
   while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && k0 < end.tile))) {
-    const PairInfo info = p.pairs[pr];
+    // The first pair's lengths come with the part table: its index loads need no pairs[] read.
+    PairInfo info{};
+    if (first) {
+      info.n_main = begin.n_main;
+      info.len = begin.len;
+      first = false;
+    } else {
+      info = p.pairs[pr];
+    }
     const int ntiles = pair_tiles(info.len, Cta::kT);
     const int k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
     if (k0 < k1) cta.segment(pr, k0, k1, info);
