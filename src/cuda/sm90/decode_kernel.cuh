@@ -594,14 +594,14 @@ struct Sm90Cta {
     const int st = it % Cfg::kStages;
     mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
     fence_proxy_async();
-    const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+    const uint64_t q_desc = sw128_desc(q_addr, 0, 1024);
+    const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)) + c * kSN * 128, 0, 1024);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
       const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-      const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32 + c * kSN * 128;
-      wgmma_m64nk_kk<kHalf, kSN>(s, sw128_desc(q_addr + q_off, 0, 1024),
-                                 sw128_desc(t_addr + t_off, 0, 1024), ks > 0);
+      const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
+      wgmma_m64nk_kk<kHalf, kSN>(s, desc_add(q_desc, q_off), desc_add(t_desc, t_off), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -736,15 +736,16 @@ struct Sm90Cta {
       ptx::named_barrier(kPReadyBarrier, 256);
 
       // O[:, 256c, 256c + 256) += P V.
-      const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+      const uint64_t p_desc = sw128_desc(p_addr, 0, 1024);
+      const uint64_t v_desc = sw128_desc(
+          ptx::smem_addr(tile_smem(st)) + c * 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kT / 16; ++kk) {
-        const uint64_t pa = sw128_desc(p_addr + kk * 32, 0, 1024);
-        const uint32_t v = t_addr + c * 4 * Cfg::kBlockBytes + kk * 16 * 128;
-        wgmma_m64n128_kmn<kHalf, 0>(o, pa, sw128_desc(v, Cfg::kBlockBytes, 1024), 1);
-        wgmma_m64n128_kmn<kHalf, 64>(
-            o, pa, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), 1);
+        const uint64_t pa = desc_add(p_desc, kk * 32);
+        const uint64_t v = desc_add(v_desc, kk * 16 * 128);
+        wgmma_m64n128_kmn<kHalf, 0>(o, pa, v, 1);
+        wgmma_m64n128_kmn<kHalf, 64>(o, pa, desc_add(v, 2 * Cfg::kBlockBytes), 1);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -965,15 +966,15 @@ struct Sm90Cta {
   template <int kRegs>
   __device__ static void pv_step(float (&o)[kRegs], const uint32_t (&a)[4], int d0, int kk,
                                  uint32_t t_addr, int accumulate) {
-    const uint32_t v = t_addr + (d0 / 64) * Cfg::kBlockBytes + kk * 16 * 128;
-    wgmma_m64n128_rs<kHalf, 0>(o, a, sw128_desc(v, Cfg::kBlockBytes, 1024), accumulate);
+    const uint64_t v_desc =
+        sw128_desc(t_addr + (d0 / 64) * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024);
+    const uint64_t v = desc_add(v_desc, kk * 16 * 128);
+    wgmma_m64n128_rs<kHalf, 0>(o, a, v, accumulate);
     if constexpr (kRegs > 64) {
-      wgmma_m64n128_rs<kHalf, 64>(
-          o, a, sw128_desc(v + 2 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
+      wgmma_m64n128_rs<kHalf, 64>(o, a, desc_add(v, 2 * Cfg::kBlockBytes), accumulate);
     }
     if constexpr (kRegs > 128) {
-      wgmma_m64n128_rs<kHalf, 128>(
-          o, a, sw128_desc(v + 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024), accumulate);
+      wgmma_m64n128_rs<kHalf, 128>(o, a, desc_add(v, 4 * Cfg::kBlockBytes), accumulate);
     }
   }
 

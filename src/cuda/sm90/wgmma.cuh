@@ -132,6 +132,13 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr, uint32_t
   return d;
 }
 
+// The descriptor of the operand `bytes` further on: the address field (bits 0-13, address / 16)
+// takes the offset without a carry, since shared-memory addresses stay below 256 KB. One add on a
+// uniform register instead of building each k-step's descriptor from its address.
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // D[64 x N] (fp32) += A[64 x 16] * B[16 x N] for N = 24, 32 or 64 (the S tiles of the decode
 // kernel), A and B from shared memory, both K-major. accumulate == 0 overwrites D.
 template <bool kHalf, int N>
