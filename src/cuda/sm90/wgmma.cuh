@@ -133,8 +133,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr, uint32_t
 }
 
 // The descriptor of the operand `bytes` further on: the address field (bits 0-13, address / 16)
-// takes the offset without a carry, since shared-memory addresses stay below 256 KB. One add on a
-// uniform register instead of building each k-step's descriptor from its address.
+// takes the offset without a carry, since shared-memory addresses stay below 256 KB (offsets and
+// bases are multiples of 16). One add instead of building each k-step's descriptor from its
+// address with a mask and a shift.
 __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
   return desc + (bytes >> 4);
 }
