@@ -149,15 +149,21 @@ struct DecodeCta {
   __device__ void issue_tile(int t) {
     uint8_t* st = stage_smem(t);
     const RowRef* rows = rows_smem(t);
-    constexpr int kUnits = kT * Tr::kRowChunks;
+    // Unit u = chunk c of token j; (j, c) advance by (kThreads / R, kThreads % R) with one carry
+    // instead of a division a unit. Absent rows are zero-filled (never NaN), without a branch.
+    constexpr int R = Tr::kRowChunks, kUnits = kT * R;
+    const uint8_t* never_read = reinterpret_cast<const uint8_t*>(p.q);
+    int j = tid / R, c = tid % R;
+#pragma unroll 1
     for (int u = tid; u < kUnits; u += kThreads) {
-      const int j = u / Tr::kRowChunks, c = u % Tr::kRowChunks;
       const uint8_t* row = rows[j].row;
-      uint8_t* dst = Tr::kFP8 ? st + j * Tr::kRowBytes + c * 16 : st + swz(j, c, kTC) * 16;
-      if (row != nullptr) {
-        ptx::cp_async_16(dst, row + c * 16);
-      } else {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);  // zeros: never NaN
+      uint8_t* dst = Tr::kFP8 ? st + u * 16 : st + swz(j, c, kTC) * 16;
+      ptx::cp_async_16_zfill(dst, row != nullptr ? row + c * 16 : never_read, row != nullptr);
+      c += kThreads % R;
+      j += kThreads / R;
+      if (c >= R) {
+        c -= R;
+        ++j;
       }
     }
     if constexpr (Tr::kScaleBytes > 0) {
@@ -344,15 +350,25 @@ struct DecodeCta {
       s[j][3] = acc.w;
     }
 
-    // Mask (invalid tokens, causal limit) and scale to base 2.
+    // Mask (invalid tokens, causal limit) and scale to base 2; most tiles have every token valid
+    // and below both rows' causal limits, and only scale.
     const uint32_t vmask = mask_smem()[t % kRing];
+    constexpr uint32_t kAllValid = kT == 32 ? 0xffffffffu : (1u << kT) - 1u;
+    if (vmask == kAllValid && pos0 + kT - 1 <= min(lim[0], lim[1])) {
 #pragma unroll
-    for (int j = 0; j < Cfg::kSTiles; ++j) {
+      for (int j = 0; j < Cfg::kSTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-        const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-        s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < Cfg::kSTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        }
       }
     }
 
