@@ -589,6 +589,15 @@ struct Sm90Cta {
     mbar_wait(q_full_bar(), cur.seg & 1);
   }
 
+  // The maximum a row's P is taken against moves only when a tile's exceeds it by more than
+  // kMaxSlack (base-2 units), so P stays below 2^kMaxSlack (the same relative rounding in bf16 or
+  // fp16 and far from their limits), the sums do not change, and once a row's maximum is near its
+  // final value the tiles skip the O rescale (alpha == 1).
+  static constexpr float kMaxSlack = 8.f;
+  __device__ static float next_max(float m, float tile_max) {
+    return tile_max > m + kMaxSlack ? tile_max : m;  // -inf + slack stays -inf; NaN never moves m
+  }
+
   // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.
   __device__ void compute_s(float (&s)[kSN / 2], int it, int c, uint32_t q_addr) const {
     const int st = it % Cfg::kStages;
@@ -723,7 +732,7 @@ struct Sm90Cta {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const float other = exch(kRowMax1 - c)[r_lo + 8 * rr];
-        const float m_new = fmaxf(m[rr], fmaxf(mx[rr], other));
+        const float m_new = next_max(m[rr], fmaxf(mx[rr], other));
         // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
         m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
         alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
@@ -861,7 +870,7 @@ struct Sm90Cta {
       float row_alpha[2], m_use[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const float m_new = fmaxf(m[rr], mx[rr]);
+        const float m_new = next_max(m[rr], mx[rr]);
         // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
         m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
         row_alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
