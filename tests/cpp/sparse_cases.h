@@ -115,6 +115,15 @@ inline std::vector<NamedCase> corner_cases() {
     c.softmax_scale = 1.0f / std::sqrt(512.0f);
     v.push_back({"b2_sq1_h64_model1_default_scale", c});
   }
+  {
+    // A sharp softmax (scores spread over ~100 in base 2): row maxima keep rising from tile to
+    // tile by more than the Hopper consumers' slack (2^8), and P grows up to it in between.
+    auto c = base(M1, 2, 2, 64, 600, 64);
+    c.softmax_scale = 30.f;
+    v.push_back({"b2_sq2_h64_model1_topk600_sharp_scale", c});
+    c.format = V32;
+    v.push_back({"b2_sq2_h64_v32_topk600_sharp_scale", c});
+  }
   return v;
 }
 
