@@ -152,6 +152,7 @@ struct DecodeCta {
     // Unit u = chunk c of token j; (j, c) advance by (kThreads / R, kThreads % R) with one carry
     // instead of a division a unit. Absent rows are zero-filled (never NaN), without a branch.
     constexpr int R = Tr::kRowChunks, kUnits = kT * R;
+    static_assert(!Tr::kFP8 || Tr::kRowBytes == 16 * R, "FP8 stages hold rows back to back");
     const uint8_t* never_read = reinterpret_cast<const uint8_t*>(p.q);
     int j = tid / R, c = tid % R;
 #pragma unroll 1
