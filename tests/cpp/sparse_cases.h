@@ -116,13 +116,14 @@ inline std::vector<NamedCase> corner_cases() {
     v.push_back({"b2_sq1_h64_model1_default_scale", c});
   }
   {
-    // A sharp softmax (scores spread over ~100 in base 2): row maxima keep rising from tile to
-    // tile by more than the Hopper consumers' slack (2^8), and P grows up to it in between.
-    auto c = base(M1, 2, 2, 64, 600, 64);
+    // A sharp softmax (scores with a standard deviation of ~57 in base 2): row maxima keep
+    // rising from tile to tile by more than the Hopper consumers' slack (2^8), and P grows up to
+    // it in between. Enough work that each CTA's part holds several tiles of a pair.
+    auto c = base(M1, 16, 2, 64, 1000, 64);
     c.softmax_scale = 30.f;
-    v.push_back({"b2_sq2_h64_model1_topk600_sharp_scale", c});
+    v.push_back({"b16_sq2_h64_model1_topk1000_sharp_scale", c});
     c.format = V32;
-    v.push_back({"b2_sq2_h64_v32_topk600_sharp_scale", c});
+    v.push_back({"b16_sq2_h64_v32_topk1000_sharp_scale", c});
   }
   return v;
 }

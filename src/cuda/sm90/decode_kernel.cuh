@@ -595,7 +595,9 @@ struct Sm90Cta {
   // final value the tiles skip the O rescale (alpha == 1).
   static constexpr float kMaxSlack = 8.f;
   __device__ static float next_max(float m, float tile_max) {
-    return tile_max > m + kMaxSlack ? tile_max : m;  // -inf + slack stays -inf; NaN never moves m
+    // The difference, not m + kMaxSlack (which rounds up by more than the slack for |m| >= 2^27);
+    // from m = -inf any finite or +inf tile maximum moves it, and NaN never does.
+    return tile_max - m > kMaxSlack ? tile_max : m;
   }
 
   // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.
