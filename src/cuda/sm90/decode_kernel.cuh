@@ -632,14 +632,24 @@ struct Sm90Cta {
     }
     const int pos0 = cur.k * kT + c * kSN;
     mx[0] = mx[1] = -INFINITY;
+    // Most tiles have every token valid and below both rows' causal limits: they only scale.
+    constexpr Bits kAllValid = kSN == 8 * sizeof(Bits) ? ~Bits{0} : (Bits{1} << kSN) - 1;
+    if (vmask == kAllValid && pos0 + kSN - 1 <= min(lim[0], lim[1])) {
 #pragma unroll
-    for (int j = 0; j < kSN / 8; ++j) {
+      for (int e = 0; e < kSN / 2; ++e) {
+        s[e] *= p.scale_log2;
+        mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
+      }
+    } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-        const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-        s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      for (int j = 0; j < kSN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * (lane & 3) + (e & 1);
+          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        }
       }
     }
 #pragma unroll
