@@ -46,6 +46,7 @@ namespace sparse_mla::cuda::sm90 {
 using smxx::decode::DecodeParams;
 using smxx::decode::Fmt;
 using smxx::decode::FormatTraits;
+using smxx::decode::next_max;
 using smxx::decode::PairInfo;
 using smxx::decode::PartStart;
 using smxx::decode::RowRef;
@@ -587,17 +588,6 @@ struct Sm90Cta {
       if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
     }
     mbar_wait(q_full_bar(), cur.seg & 1);
-  }
-
-  // The maximum a row's P is taken against moves only when a tile's exceeds it by more than
-  // kMaxSlack (base-2 units), so P stays below 2^kMaxSlack (the same relative rounding in bf16 or
-  // fp16 and far from their limits), the sums do not change, and once a row's maximum is near its
-  // final value the tiles skip the O rescale (alpha == 1).
-  static constexpr float kMaxSlack = 8.f;
-  __device__ static float next_max(float m, float tile_max) {
-    // The difference, not m + kMaxSlack (which rounds up by more than the slack for |m| >= 2^27);
-    // from m = -inf any finite or +inf tile maximum moves it, and NaN never does.
-    return tile_max - m > kMaxSlack ? tile_max : m;
   }
 
   // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.

@@ -30,6 +30,17 @@ __device__ __forceinline__ int swz(int row, int chunk, int row_chunks) {
   return row * (row_chunks + 1) + chunk;
 }
 
+// The maximum a row's P is taken against (base-2 units) moves only when a tile's exceeds it by
+// more than kMaxSlack, so P stays below 2^kMaxSlack (the same relative rounding in bf16 or fp16
+// and far from their limits), the sums do not change, and once a row's maximum is near its final
+// value the tiles skip the O rescale (alpha == 1). Both the portable and the Hopper kernels.
+inline constexpr float kMaxSlack = 8.f;
+__device__ __forceinline__ float next_max(float m, float tile_max) {
+  // The difference, not m + kMaxSlack (which rounds up by more than the slack for |m| >= 2^27);
+  // from m = -inf any finite or +inf tile maximum moves it, and NaN never does.
+  return tile_max - m > kMaxSlack ? tile_max : m;
+}
+
 // Where a pair's raw values live: its index rows (sparse: main and extra cache) or its block
 // table row (dense, in `main`).
 struct PairRows {
@@ -383,7 +394,7 @@ struct DecodeCta {
       for (int j = 0; j < Cfg::kSTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * rr], s[j][2 * rr + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[rr], mx);
+      const float m_new = next_max(m[rr], mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       alpha[rr] = ptx::exp2_approx(m[rr] - m_use);
       m[rr] = m_new;
