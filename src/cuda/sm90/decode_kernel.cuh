@@ -347,7 +347,7 @@ struct Sm90Cta {
       // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
       // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
       // of its throughput on dense bf16 h_q 128, the extra requests cost 1-3% (variant 26).
-      if (Tr::kFP8 && ref_next.row != nullptr) prefetch_l2(ref_next.row, Tr::kRowBytes);
+      if (Tr::kFP8 && ref_next.row != nullptr) bulk_prefetch_l2(ref_next.row, Tr::kRowBytes);
       raw_next = lane < kW ? raw_token(after, tok) : -1;
 
       if (cur.first()) {
