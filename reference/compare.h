@@ -2,6 +2,7 @@
 // against the fp64 reference. Test and tool code only.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -17,10 +18,16 @@ struct Tolerance {
   double lse_abs = 1e-6;
   double lse_rel = 8.01 / 65536;
 
-  static Tolerance sparse() { return {}; }
-  static Tolerance dense() {
+  // value_scale_log2: cache values 2^k times spec section 7's (testdata's value_scale_log2); the
+  // absolute bound, set for those, scales with them.
+  static Tolerance sparse(int value_scale_log2 = 0) {
     Tolerance t;
-    t.out_abs = 8e-4;
+    t.out_abs = std::ldexp(t.out_abs, value_scale_log2);
+    return t;
+  }
+  static Tolerance dense(int value_scale_log2 = 0) {
+    Tolerance t;
+    t.out_abs = std::ldexp(8e-4, value_scale_log2);
     return t;
   }
 };

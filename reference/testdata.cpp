@@ -484,13 +484,14 @@ void random_row(Rng& rng, int d, float* values) {
   }
 }
 
-void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which) {
+void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which, int scale_log2) {
   const int d = cache.d_qk();
   std::vector<float> row(d);
   for (int64_t slot = 0; slot < cache.num_slots(); ++slot) {
     if (!which.empty() && !which[slot]) continue;
     for (int64_t h = 0; h < cache.config().num_heads; ++h) {
       random_row(rng, d, row.data());
+      for (float& x : row) x = std::ldexp(x, scale_log2);
       write_row(cache, slot, h, row.data());
     }
   }
@@ -737,12 +738,12 @@ void SparseCase::poison_outputs() {
 void SparseCase::refresh_cache(Rng& rng) {
   auto refresh = [&](HostCache& cache, const HostTensor& idx, const HostTensor& len) {
     if (!config.poison_unreferenced) {
-      fill_random(cache, rng);
+      fill_random(cache, rng, {}, config.value_scale_log2);
       return;
     }
     const std::vector<bool> ref =
         sparse_referenced_slots(idx.view(), len.opt_view(), cache.num_slots());
-    fill_random(cache, rng, ref);
+    fill_random(cache, rng, ref, config.value_scale_log2);
     poison_unreferenced(cache, ref);
   };
   refresh(kv, indices, topk_length);
@@ -799,12 +800,12 @@ void DenseCase::poison_outputs() {
 
 void DenseCase::refresh_cache(Rng& rng) {
   if (!config.poison_unreferenced) {
-    fill_random(kv, rng);
+    fill_random(kv, rng, {}, config.value_scale_log2);
     return;
   }
   const std::vector<bool> ref = dense_referenced_slots(
       block_table.view(), cache_seqlens.view(), kv.config().page_size, kv.config().num_pages);
-  fill_random(kv, rng, ref);
+  fill_random(kv, rng, ref, config.value_scale_log2);
   poison_unreferenced(kv, ref);
 }
 

@@ -140,8 +140,10 @@ void write_row(HostCache& cache, int64_t slot, int64_t head, const float* values
 void read_row(const KVCache& cache, int64_t slot, int64_t head, double* values);
 // Random latent row: N(0, 0.1^2) clipped to [-1, 1].
 void random_row(Rng& rng, int d, float* values);
-// Writes random rows into every slot (all heads) where `which` is empty or which[slot] is true.
-void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which = {});
+// Writes random rows into every slot (all heads) where `which` is empty or which[slot] is true,
+// each value times 2^scale_log2 (exact in every format: the FP8 scales move by the same power).
+void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which = {},
+                 int scale_log2 = 0);
 // Sets every byte of a slot (all heads, MODEL1 footer scales included) to 0xFF: NaN everywhere.
 void poison_slot(HostCache& cache, int64_t slot);
 void poison_unreferenced(HostCache& cache, const std::vector<bool>& referenced);
@@ -199,6 +201,9 @@ struct SparseCaseConfig {
   bool use_extra_topk_length = false;  // same for the extra cache
   bool use_sink = false;               // N(0, 1) per head
   std::optional<float> softmax_scale;  // nullopt: spec section 7's d_qk^-0.55
+  // Cache values times 2^value_scale_log2 (outputs far from 1; with softmax_scale divided by the
+  // same power the scores stay as they were).
+  int value_scale_log2 = 0;
   Layout q_layout = Layout::kContiguous;
   Layout out_layout = Layout::kContiguous;
   bool flash_lse_layout = false;
@@ -232,6 +237,7 @@ struct DenseCaseConfig {
   int64_t extra_pages = 3;  // pages beyond what the block table names (never referenced)
   bool causal = false;
   std::optional<float> softmax_scale;  // nullopt: d_qk^-0.55
+  int value_scale_log2 = 0;            // as in SparseCaseConfig
   Layout q_layout = Layout::kContiguous;
   Layout out_layout = Layout::kContiguous;
   bool poison_unreferenced = true;

@@ -48,6 +48,14 @@ inline ref::SparseCaseConfig v32_h128_with_sink() {
   return c;
 }
 
+// Cache values times 2^k, the softmax scale (spec section 7's d_qk^-0.55) divided by as much.
+template <typename Config>
+Config with_values_scaled(Config c, int k) {
+  c.value_scale_log2 = k;
+  c.softmax_scale = static_cast<float>(std::ldexp(std::pow(kv_format_d_qk(c.format), -0.55), -k));
+  return c;
+}
+
 struct NamedCase {
   std::string name;
   ref::SparseCaseConfig config;
@@ -124,6 +132,15 @@ inline std::vector<NamedCase> corner_cases() {
     v.push_back({"b16_sq2_h64_model1_topk1000_sharp_scale", c});
     c.format = V32;
     v.push_back({"b16_sq2_h64_v32_topk1000_sharp_scale", c});
+  }
+  {
+    // Cache values 2^40 times larger (the scores as usual): outputs, split pairs' partial rows
+    // and their combine far outside fp16's range. Smaller values are not possible in FP8 pages:
+    // the quantizer's smallest scale is 1e-4 / 448.
+    auto c = with_values_scaled(base(M1, 2, 2, 64, 2048, 64), 40);
+    v.push_back({"b2_sq2_h64_model1_topk2048_values_times_2pow40", c});
+    c = with_values_scaled(base(V32, 2, 2, 64, 2048, 64), 40);
+    v.push_back({"b2_sq2_h64_v32_topk2048_values_times_2pow40", c});
   }
   return v;
 }

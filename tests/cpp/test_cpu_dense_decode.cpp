@@ -11,8 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <ostream>
-#include <stdexcept>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -20,6 +20,7 @@
 #include "reference/reference.h"
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
+#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -38,7 +39,8 @@ ref::CompareResult run_and_compare(ref::DenseCase& c) {
   const Status st = dense_decode(c.args(), Workspace{}, kCPU);
   EXPECT_TRUE(st.ok()) << st.to_string();
   const ref::RefOutput r = ref::dense_decode_reference(c.args());
-  return ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::dense());
+  return ref::compare_outputs(c.out.view(), c.lse.view(), r,
+                              ref::Tolerance::dense(c.config.value_scale_log2));
 }
 
 ref::DenseCaseConfig base(KVFormat format, int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv,
@@ -94,6 +96,11 @@ std::vector<DenseParam> dense_params() {
     c = base(BF16, 2, 1, 6, 1, 61, 0, false);
     c.seqlens = {4500, 0};
     v.push_back({"bf16_b2_split_kv_with_empty_request", c});
+    // Values 2^40 times larger or smaller, the scores as usual.
+    c.seqlens = {4500, 300};
+    using sparse_cases::with_values_scaled;
+    v.push_back({"bf16_b2_split_kv_values_times_2pow40", with_values_scaled(c, 40)});
+    v.push_back({"bf16_b2_split_kv_values_times_2pow_minus40", with_values_scaled(c, -40)});
   }
   return v;
 }

@@ -42,7 +42,8 @@ ref::CompareResult run_and_compare(ref::SparseCase& c) {
   const Status st = sparse_decode(c.args(), Workspace{}, kCPU);
   EXPECT_TRUE(st.ok()) << st.to_string();
   const ref::RefOutput r = ref::sparse_decode_reference(c.args());
-  return ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+  return ref::compare_outputs(c.out.view(), c.lse.view(), r,
+                              ref::Tolerance::sparse(c.config.value_scale_log2));
 }
 
 using sparse_cases::base;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tests/cpp/cuda/decode_util.h"
+#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -43,15 +44,15 @@ void check_case(ref::DenseCase& c) {
   c.poison_outputs();
   d.download(c);
   const ref::RefOutput r = ref::dense_decode_reference(c.args());
-  const ref::CompareResult res =
-      ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::dense());
+  const ref::CompareResult res = ref::compare_outputs(
+      c.out.view(), c.lse.view(), r, ref::Tolerance::dense(c.config.value_scale_log2));
   EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
 
   ref::DenseCase cpu = c;
   cpu.poison_outputs();
   const Status st = dense_decode(cpu.args(), Workspace{}, Options{Backend::kCPU, nullptr});
   ASSERT_TRUE(st.ok()) << st.to_string();
-  ref::Tolerance tol = ref::Tolerance::dense();
+  ref::Tolerance tol = ref::Tolerance::dense(c.config.value_scale_log2);
   tol.lse_abs *= 2;
   tol.lse_rel *= 2;
   const ref::CompareResult res_cpu = ref::compare_outputs(
@@ -162,6 +163,17 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"bf16_b8_sq1_h128_sharp_scale", c});
     c.format = FP;
     v.push_back({"fp16_b8_sq1_h128_sharp_scale", c});
+  }
+  {
+    // Values 2^40 times larger or smaller (scores as usual), split over several CTAs: partial
+    // rows and their combine far outside fp16's range either way (FP8 pages: larger only).
+    using sparse_cases::with_values_scaled;
+    v.push_back({"bf16_b2_sq1_h64_values_times_2pow40",
+                 with_values_scaled(base(BF, 2, 1, 64, 1, 64, {3000, 2000}), 40)});
+    v.push_back({"bf16_b2_sq2_h64_values_times_2pow_minus40",
+                 with_values_scaled(base(BF, 2, 2, 64, 1, 64, {3000, 2000}), -40)});
+    v.push_back({"model1_b2_sq1_h64_values_times_2pow40",
+                 with_values_scaled(base(M1, 2, 1, 64, 1, 64, {3000, 2000}), 40)});
   }
   return v;
 }

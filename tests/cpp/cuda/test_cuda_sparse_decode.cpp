@@ -38,15 +38,15 @@ void check_case(ref::SparseCase& c) {
   c.poison_outputs();
   d.download(c);
   const ref::RefOutput r = ref::sparse_decode_reference(c.args());
-  const ref::CompareResult res =
-      ref::compare_outputs(c.out.view(), c.lse.view(), r, ref::Tolerance::sparse());
+  const ref::CompareResult res = ref::compare_outputs(
+      c.out.view(), c.lse.view(), r, ref::Tolerance::sparse(c.config.value_scale_log2));
   EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
 
   ref::SparseCase cpu = c;
   cpu.poison_outputs();
   const Status st = sparse_decode(cpu.args(), Workspace{}, Options{Backend::kCPU, nullptr});
   ASSERT_TRUE(st.ok()) << st.to_string();
-  ref::Tolerance tol = ref::Tolerance::sparse();
+  ref::Tolerance tol = ref::Tolerance::sparse(c.config.value_scale_log2);
   tol.lse_abs *= 2;  // both sides carry their own error against the reference
   tol.lse_rel *= 2;
   const ref::CompareResult res_cpu = ref::compare_outputs(
