@@ -46,7 +46,7 @@ CompareResult compare_outputs(const TensorView& out, const TensorView& lse, cons
     return res;
   }
   char buf[256];
-  double dot = 0, norm = 0;
+  double dot = 0, norm = 0, ref_max = 0;
   for (int64_t i = 0; i < ref.b; ++i) {
     for (int64_t s = 0; s < ref.s_q; ++s) {
       for (int64_t h = 0; h < ref.h_q; ++h) {
@@ -60,6 +60,7 @@ CompareResult compare_outputs(const TensorView& out, const TensorView& lse, cons
             const double err = std::fabs(a - r);
             res.max_abs_err = std::max(res.max_abs_err, err);
             good = err <= tol.out_abs || err <= tol.out_rel * std::fabs(r);
+            ref_max = std::max(ref_max, std::fabs(r));
             dot += a * r;
             norm += a * a + r * r;
           }
@@ -94,6 +95,12 @@ CompareResult compare_outputs(const TensorView& out, const TensorView& lse, cons
   res.cos_diff = norm > 0 ? 1.0 - 2.0 * dot / norm : 0.0;
   if (res.cos_diff > tol.cos_diff) {
     std::snprintf(buf, sizeof buf, "cosine difference %.3g > %.3g", res.cos_diff, tol.cos_diff);
+    fail(buf);
+  }
+  const int k = tol.value_scale_log2;
+  if (k != 0 && !(ref_max >= std::ldexp(1.0, k - 20) && ref_max <= std::ldexp(1.0, k))) {
+    std::snprintf(buf, sizeof buf, "reference output up to %.3g: not values scaled by 2^%d",
+                  ref_max, k);
     fail(buf);
   }
   return res;

@@ -18,16 +18,22 @@ struct Tolerance {
   double lse_abs = 1e-6;
   double lse_rel = 8.01 / 65536;
 
-  // value_scale_log2: cache values 2^k times spec section 7's (testdata's value_scale_log2); the
-  // absolute bound, set for those, scales with them.
+  // Cache values 2^value_scale_log2 times spec section 7's (testdata's value_scale_log2): the
+  // absolute bound, set for those, scales with them, and the reference output's largest
+  // magnitude must lie in [2^(k - 20), 2^k] (the case really was scaled).
+  int value_scale_log2 = 0;
+
   static Tolerance sparse(int value_scale_log2 = 0) {
-    Tolerance t;
-    t.out_abs = std::ldexp(t.out_abs, value_scale_log2);
-    return t;
+    return scaled(Tolerance{}, value_scale_log2);
   }
   static Tolerance dense(int value_scale_log2 = 0) {
     Tolerance t;
-    t.out_abs = std::ldexp(8e-4, value_scale_log2);
+    t.out_abs = 8e-4;
+    return scaled(t, value_scale_log2);
+  }
+  static Tolerance scaled(Tolerance t, int value_scale_log2) {
+    t.value_scale_log2 = value_scale_log2;
+    t.out_abs = std::ldexp(t.out_abs, value_scale_log2);
     return t;
   }
 };

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <unordered_set>
 
 #include "src/kv/format.h"
@@ -678,7 +680,30 @@ HostCache make_sparse_cache(KVFormat format, int64_t b, int64_t topk, int64_t pa
 
 }  // namespace
 
+float default_softmax_scale(KVFormat format) {
+  return static_cast<float>(std::pow(kv_format_d_qk(format), -0.55));
+}
+
+namespace {
+
+// The range of value_scale_log2 whose values each format holds exactly (random rows within
+// [-1, 1], most above 1e-3): FP8 pages not below the quantizer's smallest scale, fp16 not past
+// its normal range, nothing past fp32 sums of up to 2^8 P a token.
+void check_value_scale(KVFormat format, int k) {
+  int lo = -60, hi = 60;
+  if (kv_format_is_fp8(format)) lo = 0;
+  if (format == KVFormat::kFP16) lo = -4, hi = 15;
+  if (k < lo || k > hi) {
+    throw std::invalid_argument("value_scale_log2 " + std::to_string(k) + " outside [" +
+                                std::to_string(lo) + ", " + std::to_string(hi) + "] for " +
+                                kv_format_name(format));
+  }
+}
+
+}  // namespace
+
 SparseCase make_sparse_case(const SparseCaseConfig& cfg) {
+  check_value_scale(cfg.format, cfg.value_scale_log2);
   Rng rng(cfg.seed);
   SparseCase c;
   c.config = cfg;
@@ -704,8 +729,7 @@ SparseCase make_sparse_case(const SparseCaseConfig& cfg) {
     for (auto& x : sink) x = static_cast<float>(rng.normal());
     c.attn_sink = make_float_tensor(sink);
   }
-  c.softmax_scale =
-      cfg.softmax_scale ? *cfg.softmax_scale : static_cast<float>(std::pow(d_qk, -0.55));
+  c.softmax_scale = cfg.softmax_scale.value_or(default_softmax_scale(cfg.format));
   c.out = make_out(DType::kBFloat16, cfg.b, cfg.s_q, cfg.h_q, kDV, cfg.out_layout);
   c.lse = make_lse(cfg.b, cfg.h_q, cfg.s_q, cfg.flash_lse_layout);
   c.refresh_cache(rng);
@@ -751,6 +775,7 @@ void SparseCase::refresh_cache(Rng& rng) {
 }
 
 DenseCase make_dense_case(const DenseCaseConfig& cfg) {
+  check_value_scale(cfg.format, cfg.value_scale_log2);
   Rng rng(cfg.seed);
   DenseCase c;
   c.config = cfg;
@@ -772,8 +797,7 @@ DenseCase make_dense_case(const DenseCaseConfig& cfg) {
   c.q = random_tensor(rng, qt, {cfg.b, cfg.s_q, cfg.h_q, d_qk}, -1, 1, cfg.q_layout);
   c.block_table = random_block_table(rng, cfg.b, max_pages, num_pages);
   c.cache_seqlens = make_int_tensor(seqlens);
-  c.softmax_scale =
-      cfg.softmax_scale ? *cfg.softmax_scale : static_cast<float>(std::pow(d_qk, -0.55));
+  c.softmax_scale = cfg.softmax_scale.value_or(default_softmax_scale(cfg.format));
   c.out = make_out(qt, cfg.b, cfg.s_q, cfg.h_q, kDV, cfg.out_layout);
   c.lse = make_lse(cfg.b, cfg.h_q, cfg.s_q);
   c.refresh_cache(rng);

@@ -4,6 +4,7 @@
 // Test and tool code only; never part of the library.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -141,7 +142,8 @@ void read_row(const KVCache& cache, int64_t slot, int64_t head, double* values);
 // Random latent row: N(0, 0.1^2) clipped to [-1, 1].
 void random_row(Rng& rng, int d, float* values);
 // Writes random rows into every slot (all heads) where `which` is empty or which[slot] is true,
-// each value times 2^scale_log2 (exact in every format: the FP8 scales move by the same power).
+// each value times 2^scale_log2 (exact where the format holds the result: FP8 scales move by the
+// same power, but not below the quantizer's smallest, 1e-4 / 448; fp16 pages keep ~2^-10..2^15).
 void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which = {},
                  int scale_log2 = 0);
 // Sets every byte of a slot (all heads, MODEL1 footer scales included) to 0xFF: NaN everywhere.
@@ -224,6 +226,7 @@ struct SparseCase {
   // After editing indices/lengths: fills newly referenced slots with random rows, NaN elsewhere.
   void refresh_cache(Rng& rng);
 };
+// Throws std::invalid_argument for a value_scale_log2 that the format cannot hold exactly.
 SparseCase make_sparse_case(const SparseCaseConfig& config);
 
 struct DenseCaseConfig {
@@ -254,7 +257,19 @@ struct DenseCase {
   void poison_outputs();
   void refresh_cache(Rng& rng);
 };
-DenseCase make_dense_case(const DenseCaseConfig& config);
+DenseCase make_dense_case(const DenseCaseConfig& config);  // (same)
+
+// Spec section 7's softmax scale: d_qk^-0.55.
+float default_softmax_scale(KVFormat format);
+
+// Cache values times 2^k, the softmax scale (the config's, else the default) divided by as much:
+// the scores stay as they were.
+template <typename Config>
+Config with_values_scaled(Config c, int k) {
+  c.value_scale_log2 = k;
+  c.softmax_scale = std::ldexp(c.softmax_scale.value_or(default_softmax_scale(c.format)), -k);
+  return c;
+}
 
 struct MergeCaseConfig {
   int64_t n = 2, b = 1, s_q = 1, h_q = 8, d_v = kDV;

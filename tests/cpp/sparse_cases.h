@@ -48,14 +48,6 @@ inline ref::SparseCaseConfig v32_h128_with_sink() {
   return c;
 }
 
-// Cache values times 2^k, the softmax scale (spec section 7's d_qk^-0.55) divided by as much.
-template <typename Config>
-Config with_values_scaled(Config c, int k) {
-  c.value_scale_log2 = k;
-  c.softmax_scale = static_cast<float>(std::ldexp(std::pow(kv_format_d_qk(c.format), -0.55), -k));
-  return c;
-}
-
 struct NamedCase {
   std::string name;
   ref::SparseCaseConfig config;
@@ -137,9 +129,9 @@ inline std::vector<NamedCase> corner_cases() {
     // Cache values 2^40 times larger (the scores as usual): outputs, split pairs' partial rows
     // and their combine far outside fp16's range. Smaller values are not possible in FP8 pages:
     // the quantizer's smallest scale is 1e-4 / 448.
-    auto c = with_values_scaled(base(M1, 2, 2, 64, 2048, 64), 40);
+    auto c = ref::with_values_scaled(base(M1, 2, 2, 64, 2048, 64), 40);
     v.push_back({"b2_sq2_h64_model1_topk2048_values_times_2pow40", c});
-    c = with_values_scaled(base(V32, 2, 2, 64, 2048, 64), 40);
+    c = ref::with_values_scaled(base(V32, 2, 2, 64, 2048, 64), 40);
     v.push_back({"b2_sq2_h64_v32_topk2048_values_times_2pow40", c});
   }
   return v;

@@ -20,7 +20,6 @@
 #include "reference/reference.h"
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
-#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -98,7 +97,7 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"bf16_b2_split_kv_with_empty_request", c});
     // Values 2^40 times larger or smaller, the scores as usual.
     c.seqlens = {4500, 300};
-    using sparse_cases::with_values_scaled;
+    using ref::with_values_scaled;
     v.push_back({"bf16_b2_split_kv_values_times_2pow40", with_values_scaled(c, 40)});
     v.push_back({"bf16_b2_split_kv_values_times_2pow_minus40", with_values_scaled(c, -40)});
   }
@@ -157,6 +156,18 @@ TEST(DenseReference, HeadWindowOutsideTheCallThrows) {
   EXPECT_THROW(ref::dense_decode_reference(a, ref::HeadWindow{-1, 12}), std::invalid_argument);
   EXPECT_THROW(ref::dense_decode_reference(a, ref::HeadWindow{0, 10}), std::invalid_argument);
   EXPECT_NO_THROW(ref::dense_decode_reference(a, ref::HeadWindow{6, 12}));
+}
+
+// Value scales that a format cannot hold exactly are an error, not a silently different case.
+TEST(DenseReference, ValueScaleOutsideTheFormatThrows) {
+  const auto scaled = [](KVFormat format, int k) {
+    return ref::with_values_scaled(base(format, 1, 1, 8, 1, 16, 20, false), k);
+  };
+  EXPECT_THROW(ref::make_dense_case(scaled(KVFormat::kModel1, -1)), std::invalid_argument);
+  EXPECT_THROW(ref::make_dense_case(scaled(KVFormat::kFP16, 16)), std::invalid_argument);
+  EXPECT_THROW(ref::make_dense_case(scaled(KVFormat::kBF16, 61)), std::invalid_argument);
+  EXPECT_NO_THROW(ref::make_dense_case(scaled(KVFormat::kFP16, 15)));
+  EXPECT_NO_THROW(ref::make_dense_case(scaled(KVFormat::kModel1, 60)));
 }
 
 // Requests of length 0, shorter than s_q (causal rows that see nothing), negative, and longer

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "tests/cpp/cuda/decode_util.h"
-#include "tests/cpp/sparse_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -167,7 +166,7 @@ std::vector<DenseParam> dense_params() {
   {
     // Values 2^40 times larger or smaller (scores as usual), split over several CTAs: partial
     // rows and their combine far outside fp16's range either way (FP8 pages: larger only).
-    using sparse_cases::with_values_scaled;
+    using ref::with_values_scaled;
     v.push_back({"bf16_b2_sq1_h64_values_times_2pow40",
                  with_values_scaled(base(BF, 2, 1, 64, 1, 64, {3000, 2000}), 40)});
     v.push_back({"bf16_b2_sq2_h64_values_times_2pow_minus40",
