@@ -18,12 +18,9 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
 }
 
-__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-}
-
-// The same copies, reading `valid ? size : 0` bytes and zero-filling the rest: no branch around
-// the copy, and nothing is read from `gmem` when !valid (callers still pass a valid address).
+// 16- and 8-byte copies that read `valid ? size : 0` bytes and zero-fill the rest: no branch
+// around the copy, and nothing is read from `gmem` when !valid (callers still pass a valid
+// address).
 __device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));

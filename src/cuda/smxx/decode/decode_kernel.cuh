@@ -182,11 +182,7 @@ struct DecodeCta {
       for (int j = tid; j < kT; j += kThreads) {
         uint8_t* dst = st + Cfg::kStageRowBytes + j * Tr::kScaleBytes;
         const uint8_t* scale = rows[j].scale;
-        if (scale != nullptr) {
-          ptx::cp_async_8(dst, scale);
-        } else {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
-        }
+        ptx::cp_async_8_zfill(dst, scale != nullptr ? scale : never_read, scale != nullptr);
       }
     }
   }
