@@ -43,6 +43,7 @@
 
 namespace sparse_mla::cuda::sm90 {
 
+using smxx::decode::all_tokens_visible;
 using smxx::decode::DecodeParams;
 using smxx::decode::Fmt;
 using smxx::decode::FormatTraits;
@@ -50,6 +51,7 @@ using smxx::decode::next_max;
 using smxx::decode::PairInfo;
 using smxx::decode::PartStart;
 using smxx::decode::RowRef;
+using smxx::decode::token_visible;
 
 template <Fmt F>
 struct Sm90Config {
@@ -622,9 +624,7 @@ struct Sm90Cta {
     }
     const int pos0 = cur.k * kT + c * kSN;
     mx[0] = mx[1] = -INFINITY;
-    // Most tiles have every token valid and below both rows' causal limits: they only scale.
-    constexpr Bits kAllValid = kSN == 8 * sizeof(Bits) ? ~Bits{0} : (Bits{1} << kSN) - 1;
-    if (vmask == kAllValid && pos0 + kSN - 1 <= min(lim[0], lim[1])) {
+    if (all_tokens_visible<kSN>(vmask, pos0, lim)) {
 #pragma unroll
       for (int e = 0; e < kSN / 2; ++e) {
         s[e] *= p.scale_log2;
@@ -636,8 +636,8 @@ struct Sm90Cta {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-          s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          s[4 * j + e] =
+              token_visible(vmask, col, pos0, lim, e) ? s[4 * j + e] * p.scale_log2 : -INFINITY;
           mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
         }
       }

@@ -41,6 +41,22 @@ __device__ __forceinline__ float next_max(float m, float tile_max) {
   return tile_max - m > kMaxSlack ? tile_max : m;
 }
 
+// The scores of a tile of N tokens from pos0 on (bit i of vmask: token i is present) need no
+// mask when every token is present and below both rows' causal limits: most tiles only scale.
+template <int N, typename Bits>
+__device__ __forceinline__ bool all_tokens_visible(Bits vmask, int pos0, const int (&lim)[2]) {
+  constexpr Bits kAll = N == 8 * sizeof(Bits) ? ~Bits{0} : (Bits{1} << N) - 1;
+  return vmask == kAll && pos0 + N - 1 <= min(lim[0], lim[1]);
+}
+
+// Whether column col of a thread's accumulator fragment, in row (e >> 1) of its pair of rows,
+// is a present token at or below that row's causal limit.
+template <typename Bits>
+__device__ __forceinline__ bool token_visible(Bits vmask, int col, int pos0, const int (&lim)[2],
+                                              int e) {
+  return ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
+}
+
 // Where a pair's raw values live: its index rows (sparse: main and extra cache) or its block
 // table row (dense, in `main`).
 struct PairRows {
@@ -358,11 +374,9 @@ struct DecodeCta {
       s[j][3] = acc.w;
     }
 
-    // Mask (invalid tokens, causal limit) and scale to base 2; most tiles have every token valid
-    // and below both rows' causal limits, and only scale.
+    // Mask (invalid tokens, causal limit) and scale to base 2.
     const uint32_t vmask = mask_smem()[t % kRing];
-    constexpr uint32_t kAllValid = kT == 32 ? 0xffffffffu : (1u << kT) - 1u;
-    if (vmask == kAllValid && pos0 + kT - 1 <= min(lim[0], lim[1])) {
+    if (all_tokens_visible<kT>(vmask, pos0, lim)) {
 #pragma unroll
       for (int j = 0; j < Cfg::kSTiles; ++j) {
 #pragma unroll
@@ -374,8 +388,7 @@ struct DecodeCta {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-          const bool ok = ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
-          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+          s[j][e] = token_visible(vmask, col, pos0, lim, e) ? s[j][e] * p.scale_log2 : -INFINITY;
         }
       }
     }
