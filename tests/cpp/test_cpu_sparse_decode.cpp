@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,16 @@ TEST(CpuSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
       }
     }
   }
+}
+
+// The sparse cases refuse value scales their format cannot hold exactly, as the dense ones do.
+TEST(SparseReference, ValueScaleOutsideTheFormatThrows) {
+  const auto scaled = [](KVFormat format, int k) {
+    return ref::with_values_scaled(base(format, 1, 1, 8, 16, 64), k);
+  };
+  EXPECT_THROW(ref::make_sparse_case(scaled(KVFormat::kModel1, -1)), std::invalid_argument);
+  EXPECT_THROW(ref::make_sparse_case(scaled(KVFormat::kV32, 61)), std::invalid_argument);
+  EXPECT_NO_THROW(ref::make_sparse_case(scaled(KVFormat::kV32, 60)));
 }
 
 TEST(CpuSparseDecodeCorners, AllIndicesMinusOne) {
