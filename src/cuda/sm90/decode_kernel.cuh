@@ -12,16 +12,16 @@
 //             every pair.
 //   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
 //             dims read MN-major; S is a wgmma with both operands in shared memory.
-//             16-bit pages: consumer 0 computes S for the whole tile (wgmma m64n64), the softmax
-//             of all rows, and writes P (bf16, as wgmma A fragments) and the rows' rescale
-//             factors into shared memory; consumer 0 accumulates O[:, 0, 128), consumer 1
-//             O[:, 128, 512) while consumer 0 goes on to the next tile's S and softmax, both
-//             with P from registers. FP8 pages: consumer c computes S for tokens
-//             [c kT/2, (c+1) kT/2) (m64n24/32), the two exchange their row maxima and write P
-//             for their tokens, and consumer c accumulates O[:, 256c, 256c + 256) with P read
-//             from shared memory.
+//             16-bit and MODEL1 pages: consumer 0 computes S for the whole tile (wgmma
+//             m64n64 / m64n48), the softmax of all rows, and writes P (as wgmma A fragments)
+//             and the rows' rescale factors into shared memory; consumer 0 accumulates
+//             O[:, 0, 128), consumer 1 O[:, 128, 512) while consumer 0 goes on to the next
+//             tile's S and softmax, both with P from registers. V32 pages: consumer c computes
+//             S for tokens [c kT/2, (c+1) kT/2) (m64n32), the two exchange their row maxima and
+//             write P for their tokens, and consumer c accumulates O[:, 256c, 256c + 256) with
+//             P read from shared memory.
 // Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
-// between the consumers per tile (16-bit: P ready, P read; FP8: row maxima, P ready).
+// between the consumers per tile (single S: P ready, P read; V32: row maxima, P ready).
 //
 // Shared-memory operands use the 128-byte swizzle: a [rows x d] matrix is stored as d / 64
 // blocks of [rows x 128 bytes]; 16-byte chunk c of row r sits at chunk c ^ (r % 8).
@@ -68,17 +68,16 @@ struct Sm90Config {
   static constexpr int kProducerThreads = kProducerWarps * 32;
   static constexpr int kTokensPerWarp = kT / kProducerWarps;
   static constexpr int kThreads = kProducerThreads + 256;
-  // The staged producers keep two cursors and the conversion's addresses (88 registers); the
-  // other formats' consumers spill below 176.
-  // 16-bit pages (kSingleS): consumer 0 computes S for the whole tile and the softmax, and
-  // accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the next tile's S
-  // and softmax. The copy-only producers need few registers, which pays for consumer 1's 192
-  // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
-  // wgmma). FP8 pages: the converting producers need 80-88 registers, so the consumers
-  // split the tile's tokens and the output dims evenly (176 / 168 registers each).
-  static constexpr bool kSingleS = !Traits::kFP8;
+  // 16-bit and MODEL1 pages (kSingleS): consumer 0 computes S for the whole tile and the
+  // softmax, and accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the
+  // next tile's S and softmax. Producers that copy, or convert from the raw stages (MODEL1, 64
+  // registers), leave room for consumer 1's 192 accumulators and the P fragments of its wgmma
+  // in flight (232; at 224 ptxas serializes its wgmma). V32's producers convert from registers
+  // and need 80, so its consumers split the tile's tokens and the output dims evenly (176
+  // registers each).
+  static constexpr bool kSingleS = !Traits::kFP8 || kStaged;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
-  static constexpr int kProducerRegs = kStaged ? 88 : (kSingleS ? 56 : 80);
+  static constexpr int kProducerRegs = kStaged ? 64 : (kSingleS ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
   static constexpr int kPVRegs = kSingleS ? 232 : 256 - kProducerRegs;
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
@@ -100,7 +99,7 @@ struct Sm90Config {
   static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;  // [4][kRows] floats
   static constexpr int kMaskOff = kExchOff + 4 * kRows * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
-  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy), + P free (16-bit)
+  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy), + P free (single S)
   static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps + 1;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
   static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
@@ -209,9 +208,9 @@ struct Sm90Cta {
   static constexpr int kRopeDst = F == Fmt::kModel1 ? 56 : 64;  // ... and in the bf16 row
 
   // Named barriers between the consumers (0 is __syncthreads).
-  static constexpr int kPReadyBarrier = 1;  // P written (16-bit: and the rescale factors)
-  static constexpr int kRowMaxBarrier = 2;  // FP8: both consumers' row maxima written
-  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (FP8), output factors
+  static constexpr int kPReadyBarrier = 1;    // P written (single S: and the rescale factors)
+  static constexpr int kRowMaxBarrier = 2;    // V32: both consumers' row maxima written
+  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (V32), output factors
   static constexpr int kDV = smxx::decode::kDV;
   static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
   static constexpr int kSN = Cfg::kSN;
@@ -228,7 +227,7 @@ struct Sm90Cta {
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
   __device__ uint8_t* p_smem() const { return smem + Cfg::kPOff; }
   // Per-row values the consumers hand each other: kRowMax0/1 the row maxima of consumer 0/1 (each
-  // tile, FP8 pages) or kAlpha the rows' O rescale factors (each tile, 16-bit pages); kFactor
+  // tile, V32 pages) or kAlpha the rows' O rescale factors (each tile, single S); kFactor
   // the output factors and kRowSum1 consumer 1's row sums (a pair's end).
   static constexpr int kRowMax0 = 0, kRowMax1 = 1, kAlpha = 0, kFactor = 2, kRowSum1 = 3;
   __device__ float* exch(int k) const {
@@ -244,7 +243,7 @@ struct Sm90Cta {
   __device__ uint64_t* raw_bar(int rs, int pw) const {
     return bar(2 * Cfg::kStages + 2 + rs * Cfg::kProducerWarps + pw);
   }
-  // 16-bit pages: consumer 1 has read P, the rescale factors and the output factors, so
+  // Single S: consumer 1 has read P, the rescale factors and the output factors, so
   // consumer 0 may write the next ones. An mbarrier rather than a named barrier: its arrive
   // orders consumer 1's earlier reads, which compute-sanitizer's racecheck can follow.
   __device__ uint64_t* p_free_bar() const {
@@ -677,7 +676,7 @@ struct Sm90Cta {
     }
   }
 
-  // 16-bit pages: P as the A operand of the P V wgmma, one k-step of 16 tokens a row of pf, in
+  // Single S: P as the A operand of the P V wgmma, one k-step of 16 tokens a row of pf, in
   // the S accumulators' layout.
   using PFrag = uint32_t[kT / 16][4];
   __device__ static void p_fragments(const float (&s)[kSN / 2], PFrag& pf) {
@@ -695,7 +694,7 @@ struct Sm90Cta {
     return reinterpret_cast<uint4*>(p_smem()) + kk * 128 + wt;
   }
 
-  // FP8 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
+  // V32 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
   // exchange their row maxima, each writes P for its tokens, and consumer c accumulates
   // O[:, 256c, 256c + 256).
   __device__ void consumer_half(int c) {
@@ -766,7 +765,7 @@ struct Sm90Cta {
     }
   }
 
-  // FP8 pages: the pair's output from consumer c's dims, after the two add their row sums.
+  // V32 pages: the pair's output from consumer c's dims, after the two add their row sums.
   __device__ void epilogue_half(const TileCursor<kT>& cur, int c, int wt, int r_lo, float (&o)[128],
                            const float (&m)[2], float (&l)[2]) {
     const int lane = wt & 31;
@@ -842,7 +841,7 @@ struct Sm90Cta {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
   }
 
-  // 16-bit pages, consumer 0 (warps 8-11): S = Q K^T over the whole tile, the softmax of all 64
+  // Single S, consumer 0 (warps 8-11): S = Q K^T over the whole tile, the softmax of all 64
   // rows, P and the rescale factors into shared memory for consumer 1, and O[:, 0, kDimsS) with
   // P from its registers.
   // While it computes the next tile's S and softmax, consumer 1 accumulates this tile's
@@ -918,7 +917,7 @@ struct Sm90Cta {
     }
   }
 
-  // 16-bit pages, consumer 1 (warps 12-15): O[:, kDimsS, 512) from consumer 0's P and rescale
+  // Single S, consumer 1 (warps 12-15): O[:, kDimsS, 512) from consumer 0's P and rescale
   // factors.
   __device__ void consumer_pv() {
     const int wt = threadIdx.x & 127;
@@ -992,7 +991,7 @@ struct Sm90Cta {
     }
   }
 
-  // 16-bit pages: the pair's output. Consumer 0 (d0 == 0), given the row maxima m and the rows'
+  // Single S: the pair's output. Consumer 0 (d0 == 0), given the row maxima m and the rows'
   // full sums l, writes the lse and each row's output factor; each consumer writes its dims
   // [d0, d0 + 2 kRegs).
   template <int kRegs>

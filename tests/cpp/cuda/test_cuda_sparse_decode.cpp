@@ -91,6 +91,24 @@ std::vector<SparseParam> sparse_params() {
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths", d});
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths_tiles16x16", d, "16x16"});
   }
+  {
+    // Two 64-row blocks a token list, which the Hopper kernel runs as 2-CTA clusters sharing
+    // each tile (MODEL1): lengths, sinks, -1 and out-of-range indices, a split list, a second
+    // block of 36 rows (h_q 100) and a sharp softmax.
+    auto c = with_extra(base(M1, 3, 2, 128, 300, 61), 70, 2);
+    c.use_topk_length = c.use_extra_topk_length = true;
+    c.use_sink = true;
+    c.index.invalid_fraction = 0.1;
+    c.index.out_of_range_fraction = 0.1;
+    v.push_back({"b3_sq2_h128_model1_extra_lengths_sink_bad_indices", c});
+    auto d = with_extra(base(M1, 1, 1, 128, 3000, 64), 1000, 2);
+    d.use_sink = true;
+    v.push_back({"b1_sq1_h128_model1_topk3000_extra1000_split", d});
+    v.push_back({"b2_sq2_h100_model1", with_extra(base(M1, 2, 2, 100, 150, 64), 40, 2)});
+    auto e = base(M1, 8, 2, 128, 1000, 64);
+    e.softmax_scale = 30.f;
+    v.push_back({"b8_sq2_h128_model1_topk1000_sharp_scale", e});
+  }
   return v;
 }
 
