@@ -89,7 +89,8 @@ Status compute_expected(const Case& c, const Inputs& in, VerifyMode mode, double
 
 struct Verdict {
   bool ok = true;
-  std::string message;  // first failure, or what was checked
+  bool compared = true;  // false: the outputs were only checked to be finite (--verify off)
+  std::string message;   // first failure, or what was checked
   double max_abs_err = 0, max_cos_diff = 0, max_lse_err = 0;
 };
 // Attention: every element finite (catches unwritten NaN-poisoned outputs), then the sample

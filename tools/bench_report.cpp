@@ -91,7 +91,10 @@ void print_result(FILE* to, const Record& r, const Result& res) {
     spread =
         "+-" + cell(50.0 * (res.time.p90_us - res.time.p10_us) / res.time.median_us, "%.1f") + "%";
   }
-  std::string check = res.status == "ok" ? "PASS" : res.status == "failed" ? "FAIL" : res.status;
+  // FINITE: no reference was computed (--verify off), only the finite check ran.
+  std::string check = res.status == "ok"       ? (res.verdict.compared ? "PASS" : "FINITE")
+                      : res.status == "failed" ? "FAIL"
+                                               : res.status;
   std::fprintf(to, "%-32s %-6s %10s %8s %8s %8s %6s %9s %7s  %s", r.c.name.c_str(),
                res.backend.c_str(), cell(m.us, "%.1f").c_str(), spread.c_str(),
                sig3(m.tflops).c_str(), sig3(m.gbps).c_str(), sig3(m.roofline_pct).c_str(),
@@ -104,7 +107,7 @@ void print_result(FILE* to, const Record& r, const Result& res) {
 
 void print_summary(FILE* to, const std::vector<Record>& records) {
   struct Acc {
-    int ok = 0, failed = 0, error = 0, skipped = 0;
+    int ok = 0, finite_only = 0, failed = 0, error = 0, skipped = 0;
     double log_sum = 0, worst = kNaN;
     int n = 0;
     double model1_log_sum = 0;
@@ -114,7 +117,9 @@ void print_summary(FILE* to, const std::vector<Record>& records) {
   for (const auto& r : records) {
     for (const auto& res : r.results) {
       Acc& a = by[res.backend];
-      if (res.status == "ok")
+      if (res.status == "ok" && !res.verdict.compared)
+        ++a.finite_only;
+      else if (res.status == "ok")
         ++a.ok;
       else if (res.status == "failed")
         ++a.failed;
@@ -138,6 +143,9 @@ void print_summary(FILE* to, const std::vector<Record>& records) {
   for (const auto& [backend, a] : by) {
     std::fprintf(to, "  %-6s %d passed, %d failed, %d errors, %d skipped", backend.c_str(), a.ok,
                  a.failed, a.error, a.skipped);
+    if (a.finite_only > 0) {
+      std::fprintf(to, ", %d finite only (not compared with the reference)", a.finite_only);
+    }
     if (a.n > 0) {
       std::fprintf(to, "; vs FlashMLA: geomean %.2fx over %d cases (worst %.2fx)",
                    std::exp(a.log_sum / a.n), a.n, a.worst);
