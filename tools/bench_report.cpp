@@ -59,6 +59,13 @@ std::string sig3(double v) {
   return cell(v, a >= 100 ? "%.0f" : a >= 10 ? "%.1f" : a >= 1 ? "%.2f" : "%.3f");
 }
 
+// The check column: PASS (compared with the reference), FINITE (--verify off on attention: only
+// the finite check ran; KV kernels are always compared), FAIL, or the status (error, skipped).
+std::string check_label(const Result& res) {
+  if (res.status == "ok") return res.verdict.compared ? "PASS" : "FINITE";
+  return res.status == "failed" ? "FAIL" : res.status;
+}
+
 }  // namespace
 
 Metrics metrics(const Record& r, const Result& res) {
@@ -91,10 +98,7 @@ void print_result(FILE* to, const Record& r, const Result& res) {
     spread =
         "+-" + cell(50.0 * (res.time.p90_us - res.time.p10_us) / res.time.median_us, "%.1f") + "%";
   }
-  // FINITE: no reference was computed (--verify off), only the finite check ran.
-  std::string check = res.status == "ok"       ? (res.verdict.compared ? "PASS" : "FINITE")
-                      : res.status == "failed" ? "FAIL"
-                                               : res.status;
+  const std::string check = check_label(res);
   std::fprintf(to, "%-32s %-6s %10s %8s %8s %8s %6s %9s %7s  %s", r.c.name.c_str(),
                res.backend.c_str(), cell(m.us, "%.1f").c_str(), spread.c_str(),
                sig3(m.tflops).c_str(), sig3(m.gbps).c_str(), sig3(m.roofline_pct).c_str(),
@@ -220,7 +224,8 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
       const TimingStats& t = res.time;
       const bool timed = res.status == "ok" && t.runs > 0;
       o << (k ? ",\n       " : "\n       ") << "{\"backend\": " << quote(res.backend)
-        << ", \"status\": " << quote(res.status) << ", \"message\": " << quote(res.message)
+        << ", \"status\": " << quote(res.status) << ", \"check\": " << quote(check_label(res))
+        << ", \"message\": " << quote(res.message)
         << ", \"runs\": " << t.runs << ", \"median_us\": " << num(timed ? t.median_us : kNaN, 6)
         << ", \"mean_us\": " << num(timed ? t.mean_us : kNaN, 6)
         << ", \"min_us\": " << num(timed ? t.min_us : kNaN, 6)
@@ -244,7 +249,7 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
 
 std::string to_csv(const RunInfo& info, const std::vector<Record>& records) {
   std::ostringstream o;
-  o << "case,suite,config,op,format,b,s_q,h_q,backend,status,median_us,p10_us,p90_us,runs,"
+  o << "case,suite,config,op,format,b,s_q,h_q,backend,status,check,median_us,p10_us,p90_us,runs,"
        "graph_median_us,tflops,gbps,roofline_pct,flashmla_us,speedup_vs_flashmla,flops,bytes,"
        "max_abs_err,message,device,commit,date,command\n";
   std::string device;
@@ -256,7 +261,8 @@ std::string to_csv(const RunInfo& info, const std::vector<Record>& records) {
       const bool timed = res.status == "ok" && res.time.runs > 0;
       o << csv_field(r.c.name) << ',' << r.c.suite << ',' << csv_field(r.c.config) << ','
         << op_name(r.c.op) << ',' << kv_format_name(r.c.format) << ',' << r.c.b << ',' << r.c.s_q
-        << ',' << r.c.h_q << ',' << res.backend << ',' << res.status << ',' << n(m.us) << ','
+        << ',' << r.c.h_q << ',' << res.backend << ',' << res.status << ',' << check_label(res)
+        << ',' << n(m.us) << ','
         << n(timed ? res.time.p10_us : kNaN) << ',' << n(timed ? res.time.p90_us : kNaN) << ','
         << res.time.runs << ',' << n(res.graph_time ? res.graph_time->median_us : kNaN) << ','
         << n(m.tflops) << ',' << n(m.gbps) << ',' << n(m.roofline_pct) << ','
