@@ -1,7 +1,7 @@
 // The Hopper (sm_90a) decode kernel: same work split, plan, parameters and combine as the portable
 // kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
 //
-// One CTA owns 64 query rows and walks the 64-token tiles of its part. Four warpgroups:
+// One CTA owns 64 query rows and walks the tiles of its part (64 tokens; MODEL1: 48). Four warpgroups:
 //   producers (warps 0-7): gather each tile's rows, kT / 8 tokens a warp, and write them as a bf16
 //             tile for all 64 rows. MODEL1: raw rows land by bulk copy (one a token; the
 //             scales by cp.async) in a ring of two raw stages, far ahead of their use, and are
@@ -289,7 +289,8 @@ struct Sm90Cta {
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
     int i, sq;
     pair_coords(p, c.pr, &i, &sq);
-    // Not unrolled: the unrolled copies' addresses and predicates spilled at 80-88 registers.
+    // Not unrolled: the unrolled copies' addresses and predicates spilled in the producers'
+    // registers.
 #pragma unroll 1
     for (int u = tid; u < kRows * kChunks; u += Cfg::kProducerThreads) {
       const int r = u / kChunks, ch = u % kChunks;
@@ -937,7 +938,7 @@ struct Sm90Cta {
       ptx::named_barrier(kPReadyBarrier, 256);
       const float row_alpha[2] = {alpha[r_lo], alpha[r_lo + 8]};
       rescale_o(cur, o, row_alpha);
-      // P one k-step at a time into registers (all four would not fit next to the 192
+      // P one k-step at a time into registers (all kT / 16 would not fit next to the 192
       // accumulators): a k-step's registers are free again once its wgmma group has completed.
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
 #pragma unroll

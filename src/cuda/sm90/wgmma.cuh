@@ -141,43 +141,25 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
   return desc + (bytes >> 4);
 }
 
-// D[64 x N] (fp32) += A[64 x 16] * B[16 x N] for N = 24, 32, 48 (bf16 only: MODEL1) or 64
-// (the S tiles of the decode kernel), A and B from shared memory, both K-major. accumulate == 0
-// overwrites D.
+// D[64 x N] (fp32) += A[64 x 16] * B[16 x N], the S tiles of the decode kernel: N = 32 (V32) and
+// 48 (MODEL1) in bf16, 64 (16-bit pages) in bf16 or fp16; A and B from shared memory, both
+// K-major. accumulate == 0 overwrites D.
 template <bool kHalf, int N>
 __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, uint64_t b,
                                               int accumulate) {
-  static_assert(N == 24 || N == 32 || (N == 48 && !kHalf) || N == 64,
+  static_assert(((N == 32 || N == 48) && !kHalf) || N == 64,
                 "the S tile widths of the decode kernel");
-  if constexpr (N == 48) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %26, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (N == 24 && kHalf) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (N == 24 && !kHalf) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %14, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (N == 32 && kHalf) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else if constexpr (N == 32 && !kHalf) {
+  if constexpr (N == 32) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(accumulate));
+  } else if constexpr (N == 48) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %26, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, acc, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
         : "l"(a), "l"(b), "r"(accumulate));
   } else if constexpr (N == 64 && kHalf) {
     asm volatile(

@@ -150,7 +150,7 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"bf16_b2_sq1_h16_hkv4_page8", base(BF, 2, 1, 16, 4, 8, {203, 64})});
   }
   {
-    // MODEL1 pages with 4 row blocks of 64 (the Hopper kernel's 2-CTA clusters), causal.
+    // MODEL1 pages with 4 row blocks of 64 on the same token lists, causal.
     auto c = base(M1, 2, 2, 128, 1, 64, {700, 90});
     c.causal = true;
     v.push_back({"model1_b2_sq2_h128_causal_4_row_blocks", c});

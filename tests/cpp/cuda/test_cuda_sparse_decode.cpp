@@ -92,9 +92,9 @@ std::vector<SparseParam> sparse_params() {
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths_tiles16x16", d, "16x16"});
   }
   {
-    // Two 64-row blocks a token list, which the Hopper kernel runs as 2-CTA clusters sharing
-    // each tile (MODEL1): lengths, sinks, -1 and out-of-range indices, a split list, a second
-    // block of 36 rows (h_q 100) and a sharp softmax.
+    // MODEL1 with two 64-row blocks a token list (h_q 128, the Hopper kernel's S over whole
+    // 48-token tiles): lengths, sinks, -1 and out-of-range indices, a split list, a second block
+    // of 36 rows (h_q 100) and a sharp softmax.
     auto c = with_extra(base(M1, 3, 2, 128, 300, 61), 70, 2);
     c.use_topk_length = c.use_extra_topk_length = true;
     c.use_sink = true;
