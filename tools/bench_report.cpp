@@ -225,8 +225,8 @@ std::string to_json(const RunInfo& info, const std::vector<Record>& records) {
       const bool timed = res.status == "ok" && t.runs > 0;
       o << (k ? ",\n       " : "\n       ") << "{\"backend\": " << quote(res.backend)
         << ", \"status\": " << quote(res.status) << ", \"check\": " << quote(check_label(res))
-        << ", \"message\": " << quote(res.message)
-        << ", \"runs\": " << t.runs << ", \"median_us\": " << num(timed ? t.median_us : kNaN, 6)
+        << ", \"message\": " << quote(res.message) << ", \"runs\": " << t.runs
+        << ", \"median_us\": " << num(timed ? t.median_us : kNaN, 6)
         << ", \"mean_us\": " << num(timed ? t.mean_us : kNaN, 6)
         << ", \"min_us\": " << num(timed ? t.min_us : kNaN, 6)
         << ", \"max_us\": " << num(timed ? t.max_us : kNaN, 6)
@@ -262,14 +262,13 @@ std::string to_csv(const RunInfo& info, const std::vector<Record>& records) {
       o << csv_field(r.c.name) << ',' << r.c.suite << ',' << csv_field(r.c.config) << ','
         << op_name(r.c.op) << ',' << kv_format_name(r.c.format) << ',' << r.c.b << ',' << r.c.s_q
         << ',' << r.c.h_q << ',' << res.backend << ',' << res.status << ',' << check_label(res)
-        << ',' << n(m.us) << ','
-        << n(timed ? res.time.p10_us : kNaN) << ',' << n(timed ? res.time.p90_us : kNaN) << ','
-        << res.time.runs << ',' << n(res.graph_time ? res.graph_time->median_us : kNaN) << ','
-        << n(m.tflops) << ',' << n(m.gbps) << ',' << n(m.roofline_pct) << ','
-        << n(r.c.flashmla_us.value_or(kNaN)) << ',' << n(m.speedup_vs_flashmla) << ','
-        << n(r.work.flops) << ',' << n(r.work.bytes) << ',' << n(res.verdict.max_abs_err) << ','
-        << csv_field(res.message) << ',' << csv_field(device) << ',' << info.commit << ','
-        << info.date << ',' << csv_field(info.command) << '\n';
+        << ',' << n(m.us) << ',' << n(timed ? res.time.p10_us : kNaN) << ','
+        << n(timed ? res.time.p90_us : kNaN) << ',' << res.time.runs << ','
+        << n(res.graph_time ? res.graph_time->median_us : kNaN) << ',' << n(m.tflops) << ','
+        << n(m.gbps) << ',' << n(m.roofline_pct) << ',' << n(r.c.flashmla_us.value_or(kNaN)) << ','
+        << n(m.speedup_vs_flashmla) << ',' << n(r.work.flops) << ',' << n(r.work.bytes) << ','
+        << n(res.verdict.max_abs_err) << ',' << csv_field(res.message) << ',' << csv_field(device)
+        << ',' << info.commit << ',' << info.date << ',' << csv_field(info.command) << '\n';
     }
   }
   return o.str();

@@ -1,7 +1,8 @@
 // The Hopper (sm_90a) decode kernel: same work split, plan, parameters and combine as the portable
 // kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
 //
-// One CTA owns 64 query rows and walks the tiles of its part (64 tokens; MODEL1: 48). Four warpgroups:
+// One CTA owns 64 query rows and walks the tiles of its part (64 tokens, MODEL1 48); four
+// warpgroups:
 //   producers (warps 0-7): gather each tile's rows, kT / 8 tokens a warp, and write them as a bf16
 //             tile for all 64 rows. MODEL1: raw rows land by bulk copy (one a token; the
 //             scales by cp.async) in a ring of two raw stages, far ahead of their use, and are
