@@ -500,7 +500,7 @@ struct Sm90Cta {
         for (int j = 0; j < kBatch; ++j) {
           const int t = pw * kW + j0 + j;
           uint4 lo, hi;
-          e4m3x16_to_bf16(in[j], fmt::ue8m0_to_float(sb[j]), lo, hi);
+          e4m3x16_to_bf16(in[j], ue8m0_to_bf16x2(sb[j]), lo, hi);
           // Chunks 2 lane and 2 lane + 1 differ in bit 0 of the chunk, i.e. bit 4 of the offset.
           const uint32_t first = sw_off(t, 2 * lane + swap, kT);
           *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;

@@ -1,6 +1,7 @@
 // The device FP8 -> bf16 conversion of the decode kernels against the host format math, bit for
-// bit: every e4m3 code under power-of-two scales (MODEL1's UE8M0 range) and arbitrary fp32 scales
-// (V32), where the product rounds once.
+// bit: every e4m3 code under arbitrary fp32 scales (V32), where the product rounds once, and under
+// every UE8M0 scale byte through the bf16 multiply of MODEL1 (subnormal and overflowing products,
+// the NaN scale 0xff).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,16 @@ __global__ void convert_all(const uint4* codes, const float* scales, uint4* out)
   if (t >= 256 * 16) return;
   uint4 lo, hi;
   cuda::e4m3x16_to_bf16(codes[t % 16], scales[t / 16], lo, hi);
+  out[2 * t] = lo;
+  out[2 * t + 1] = hi;
+}
+
+// Thread t converts codes 16 (t % 16) .. + 15 under UE8M0 byte t / 16.
+__global__ void convert_all_ue8m0(const uint4* codes, uint4* out) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= 256 * 16) return;
+  uint4 lo, hi;
+  cuda::e4m3x16_to_bf16(codes[t % 16], cuda::ue8m0_to_bf16x2(static_cast<uint8_t>(t / 16)), lo, hi);
   out[2 * t] = lo;
   out[2 * t + 1] = hi;
 }
@@ -56,6 +67,32 @@ TEST(CudaFP8, EveryCodeUnderFp32ScalesRoundsOnce) {
       const uint16_t got = out[g * 256 + c];
       if (!same_bf16(got, want) && ++bad <= 10) {
         ADD_FAILURE() << "scale " << scales[g] << ", code 0x" << std::hex << c << ": got bf16 0x"
+                      << got << ", want 0x" << want << std::dec;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "of 65536 conversions";
+}
+
+TEST(CudaFP8, EveryCodeUnderEveryUe8m0ScaleIsExact) {
+  SKIP_WITHOUT_GPU();
+  std::vector<uint8_t> codes(256);
+  for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
+  const gpu_test::DeviceBuffer d_codes = gpu_test::to_device(codes);
+  gpu_test::DeviceBuffer d_out(256 * 256 * 2);
+  d_out.fill(0xff);  // poison
+  convert_all_ue8m0<<<16, 256>>>(static_cast<const uint4*>(d_codes.data()),
+                                 static_cast<uint4*>(d_out.data()));
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<uint16_t> out = d_out.to_vector<uint16_t>();
+  int bad = 0;
+  for (int s = 0; s < 256; ++s) {
+    const float scale = fmt::ue8m0_to_float(static_cast<uint8_t>(s));
+    for (int c = 0; c < 256; ++c) {
+      const uint16_t want = fmt::float_to_bf16(fmt::e4m3_to_float(static_cast<uint8_t>(c)) * scale);
+      const uint16_t got = out[s * 256 + c];
+      if (!same_bf16(got, want) && ++bad <= 10) {
+        ADD_FAILURE() << "UE8M0 byte " << s << ", code 0x" << std::hex << c << ": got bf16 0x"
                       << got << ", want 0x" << want << std::dec;
       }
     }

@@ -221,16 +221,17 @@ struct DecodeCta {
       const int c = sub + kTPT * k;
       if (c < Tr::kFP8Chunks) {
         const uint4 raw = *reinterpret_cast<const uint4*>(row + c * 16);
-        float scale;
+        uint4 lo, hi;
         if constexpr (F == Fmt::kModel1) {
           const int b = c / 4;  // scale byte of this chunk's 64 dims
           const uint32_t word = b < 4 ? scales.x : scales.y;
-          scale = fmt::ue8m0_to_float(static_cast<uint8_t>(word >> (8 * (b % 4))));
+          e4m3x16_to_bf16(raw, ue8m0_to_bf16x2(static_cast<uint8_t>(word >> (8 * (b % 4)))), lo,
+                          hi);
         } else {
-          scale = *reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset + 4 * (c / 8));
+          e4m3x16_to_bf16(raw,
+                          *reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset + 4 * (c / 8)),
+                          lo, hi);
         }
-        uint4 lo, hi;
-        e4m3x16_to_bf16(raw, scale, lo, hi);
         tile[swz(j, 2 * c, kTC)] = lo;
         tile[swz(j, 2 * c + 1, kTC)] = hi;
       } else if (c < Tr::kConvUnits) {
