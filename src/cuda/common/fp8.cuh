@@ -34,10 +34,11 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes, __nv_bf
   return *reinterpret_cast<const uint32_t*>(&scaled);
 }
 
-// The UE8M0 byte's scale (fmt::ue8m0_to_float) in both halves of a bf16 pair.
+// The UE8M0 byte's scale (fmt::ue8m0_to_float) in both halves of a bf16 pair: its float has no
+// bits below the bf16 ones, so the top half of its bits is exact.
 __device__ __forceinline__ __nv_bfloat162 ue8m0_to_bf16x2(uint8_t b) {
   __nv_bfloat16_raw r;
-  r.x = b == 0xffu ? 0x7fc0u : (b == 0 ? 0x0040u : static_cast<unsigned short>(b << 7));
+  r.x = static_cast<unsigned short>(fmt::float_bits(fmt::ue8m0_to_float(b)) >> 16);
   return __bfloat162bfloat162(__nv_bfloat16(r));
 }
 
