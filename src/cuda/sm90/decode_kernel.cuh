@@ -281,10 +281,14 @@ struct Sm90Cta {
   // Source address of zero-filling copies (0 bytes are read from it).
   __device__ const uint8_t* never_read() const { return reinterpret_cast<const uint8_t*>(p.q); }
 
-  // The token's 4 fp32 dequantization scales (V32; the MODEL1 producers stage theirs).
-  __device__ uint4 load_scales(const RowRef& r) const {
-    if (r.row == nullptr) return make_uint4(0, 0, 0, 0);
-    return __ldg(reinterpret_cast<const uint4*>(r.row + fmt::kV32ScaleOffset));
+  // V32: lane l loads the fp32 scale of 128-dim block l % 4 of the warp's token l / 4, so that
+  // a lane then fetches the scale of its block of token j with one shuffle, from lane 4 j + block
+  // (the MODEL1 producers stage theirs).
+  __device__ float load_block_scale(const RowRef& ref, int lane) const {
+    static_assert(Cfg::kTokensPerWarp * 4 == 32, "a block scale a lane");
+    const uint8_t* row = row_of_lane(ref, lane >> 2);
+    if (row == nullptr) return 0.f;
+    return __ldg(reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset) + (lane & 3));
   }
 
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
@@ -330,9 +334,9 @@ struct Sm90Cta {
       // FP8 rows: issue the loads of all tokens of this warp (and their scales, loaded here
       // rather than a tile ahead: that register set spilled) before anything waits.
       uint4 data[kW];
-      uint4 scales{};
+      float block_scale = 0.f;
       if constexpr (Tr::kFP8) {
-        scales = load_scales(ref);
+        block_scale = load_block_scale(ref, lane);
 #pragma unroll
         for (int j = 0; j < kW; ++j) {
           const auto row = row_of_lane(ref, j);
@@ -385,20 +389,19 @@ struct Sm90Cta {
         if constexpr (Tr::kFP8) {
           // Lane l converts chunk l (16 values) under the fp32 scale of its 128-dim block.
           static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
-          const uint32_t s0 = __shfl_sync(0xffffffffu, scales.x, j);
-          const uint32_t s1 = __shfl_sync(0xffffffffu, scales.y, j);
-          const uint32_t s2 = __shfl_sync(0xffffffffu, scales.z, j);
-          const uint32_t s3 = __shfl_sync(0xffffffffu, scales.w, j);
-          const int b = lane >> 3;
-          const float scale = __uint_as_float(b == 0 ? s0 : (b == 1 ? s1 : (b == 2 ? s2 : s3)));
-          uint4 lo, hi;
-          e4m3x16_to_bf16(data[j], scale, lo, hi);
+          const float scale = __shfl_sync(0xffffffffu, block_scale, 4 * j + (lane >> 3));
           // Alternate the order between neighbouring 64-dim blocks so that the 8 lanes of a
-          // store phase hit 8 different bank groups; the two chunks differ in offset bit 4.
+          // store phase hit 8 different bank groups; the two chunks differ in offset bit 4. The
+          // swapping lanes convert their chunk's halves in swapped order: 4 selects on the input
+          // instead of 8 on the output.
           const int swap = (lane >> 2) & 1;
+          const uint4 d = data[j];
+          uint4 first_half, second_half;
+          e4m3x16_to_bf16(swap ? make_uint4(d.z, d.w, d.x, d.y) : d, scale, first_half,
+                          second_half);
           const uint32_t first = sw_off(t, 2 * lane + swap, kT);
-          *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
-          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
+          *reinterpret_cast<uint4*>(tile + first) = first_half;
+          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = second_half;
         } else if (!by_tma) {
           const auto row = row_of_lane(ref, j);
 #pragma unroll
