@@ -510,28 +510,26 @@ struct Sm90Cta {
           *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
         }
       }
-    } else {
-      // lanes 28-31: the 8 rope chunks (stored chunks 28-35 -> bf16 chunks 56-63), batched
-      // like the conversion
+    }
+    // The rope (stored chunks 28-35 -> bf16 chunks 56-63), the warp's kW x 8 chunks spread over
+    // all lanes after the conversion: copied by lanes 28-31 beside it, it was a divergent path of
+    // 4 x kW loads and stores that the whole warp waited through.
+    constexpr int kRopeChunks = kW * 8;
+    constexpr int kRounds = (kRopeChunks + 31) / 32;
+    uint4 rope[kRounds];
 #pragma unroll
-      for (int j0 = 0; j0 < kW; j0 += kBatch) {
-        uint4 v[kBatch][2];
+    for (int r = 0; r < kRounds; ++r) {
+      const int u = 32 * r + lane;
+      if (kRopeChunks % 32 == 0 || u < kRopeChunks) {
+        rope[r] = *reinterpret_cast<const uint4*>(raw + (pw * kW + u / 8) * Cfg::kRawRowBytes +
+                                                  (kRopeSrc + u % 8) * 16);
+      }
+    }
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int t = pw * kW + j0 + j;
-            v[j][h] = *reinterpret_cast<const uint4*>(raw + t * Cfg::kRawRowBytes +
-                                                      (lane + 4 * h) * 16);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          // Chunks lane + 28 and lane + 32 differ in bit 2 of the chunk: bit 6 of the offset.
-          const uint32_t first = sw_off(pw * kW + j0 + j, lane + 28, kT);
-          *reinterpret_cast<uint4*>(tile + first) = v[j][0];
-          *reinterpret_cast<uint4*>(tile + (first ^ 64u)) = v[j][1];
-        }
+    for (int r = 0; r < kRounds; ++r) {
+      const int u = 32 * r + lane;
+      if (kRopeChunks % 32 == 0 || u < kRopeChunks) {
+        *reinterpret_cast<uint4*>(tile + sw_off(pw * kW + u / 8, kRopeDst + u % 8, kT)) = rope[r];
       }
     }
   }
