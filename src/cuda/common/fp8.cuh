@@ -18,18 +18,21 @@
 
 namespace sparse_mla::cuda {
 
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes, float scale) {
+// Two e4m3 values (the low 16 bits) as floats, exactly.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two_bytes) {
   const __half2_raw h =
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
+  return __half22float2(__half2(h));
+}
+
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes, float scale) {
+  const float2 f = e4m3x2_to_float2(two_bytes);
   return ptx::pack2<false>(f.x * scale, f.y * scale);
 }
 
 // Two e4m3 values under a UE8M0 scale given as a bf16 pair (ue8m0_to_bf16x2).
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes, __nv_bfloat162 scale) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
+  const float2 f = e4m3x2_to_float2(two_bytes);
   const __nv_bfloat162 scaled = __hmul2(__floats2bfloat162_rn(f.x, f.y), scale);
   return *reinterpret_cast<const uint32_t*>(&scaled);
 }
