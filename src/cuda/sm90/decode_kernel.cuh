@@ -487,27 +487,37 @@ struct Sm90Cta {
     // tile: both are shared memory), so that the tokens' shared-memory round trips overlap.
     // Batches of kBatch keep the registers within the producers' budget.
     constexpr int kBatch = kW % 3 == 0 ? 3 : (kW % 2 == 0 ? 2 : 1);
-    if (lane < Tr::kFP8Chunks) {
-      const int swap = (lane >> 2) & 1;  // neighbouring blocks store in opposite order
+    // Lane l converts chunk l % 4 of 64-dim block `block`. The 8 lanes of a 16-byte access phase
+    // take two blocks of equal parity (lanes 0-7: blocks 0 and 2; 8-15: 1 and 3; 16-23: 4 and 6;
+    // 24-27: 5), the second four on token j ^ 1 while the first four are on token j. Token j ^ 1's
+    // swizzle puts the stores of those four lanes in the other 4 bank groups, and its raw row,
+    // 576 bytes (36 = 4 mod 8 16-byte units) away, does the same for their loads: both are
+    // conflict-free with each chunk's halves stored in order (no selects).
+    static_assert(kW % 2 == 0, "tokens j and j ^ 1 belong to the warp");
+    const int odd = (lane >> 2) & 1;
+    const int block = 4 * (lane >> 4) + ((lane >> 3) & 1) + 2 * odd;
+    const int chunk = 4 * block + (lane & 3);
+    const uint32_t tile_addr = ptx::smem_addr(tile);
+    if (chunk < Tr::kFP8Chunks) {
 #pragma unroll
       for (int j0 = 0; j0 < kW; j0 += kBatch) {
         uint4 in[kBatch];
         uint8_t sb[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          const int t = pw * kW + j0 + j;
-          in[j] = *reinterpret_cast<const uint4*>(raw + t * Cfg::kRawRowBytes + lane * 16);
-          sb[j] = raw[Cfg::kRawScaleOff + t * 8 + (lane >> 2)];
+          const int t = pw * kW + j0 + j + (((j0 + j) & 1) ? -odd : odd);  // token (j0 + j) ^ odd
+          in[j] = *reinterpret_cast<const uint4*>(raw + t * Cfg::kRawRowBytes + chunk * 16);
+          sb[j] = raw[Cfg::kRawScaleOff + t * 8 + block];
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          const int t = pw * kW + j0 + j;
+          const int t = pw * kW + j0 + j + (((j0 + j) & 1) ? -odd : odd);
           uint4 lo, hi;
           e4m3x16_to_bf16(in[j], ue8m0_to_bf16x2(sb[j]), lo, hi);
-          // Chunks 2 lane and 2 lane + 1 differ in bit 0 of the chunk, i.e. bit 4 of the offset.
-          const uint32_t first = sw_off(t, 2 * lane + swap, kT);
-          *reinterpret_cast<uint4*>(tile + first) = swap ? hi : lo;
-          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = swap ? lo : hi;
+          // tile_addr is 1024-byte aligned: ^ 16 flips bit 0 of the 16-byte chunk.
+          const uint32_t first = tile_addr + sw_off(t, 2 * chunk, kT);
+          ptx::st_shared_16(first, lo);
+          ptx::st_shared_16(first ^ 16u, hi);
         }
       }
     }
