@@ -31,6 +31,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -445,22 +446,25 @@ struct Sm90Cta {
   // converts, its own kW tokens.
   __device__ uint8_t* raw_smem(int rs) const { return smem + Cfg::kRawOff + rs * Cfg::kRawBytes; }
 
-  __device__ void issue_raw(int rs, const RowRef& ref, int lane, int pw) {
+  __device__ void issue_raw(int rs, const RowRef& ref, int u, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
     constexpr int kRowChunks = Cfg::kRawRowBytes / 16;
     constexpr int kCopies = kW * kRowChunks;
     static_assert(Cfg::kRawRowBytes % 16 == 0, "bulk copies move whole 16-byte chunks");
     uint8_t* raw = raw_smem(rs);
-    const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
+    const int j = lane - u * kW;  // the lane's token of this tile, if in [0, kW)
+    const bool mine = static_cast<unsigned>(j) < static_cast<unsigned>(kW);
+    const uint32_t valid =
+        (__ballot_sync(0xffffffffu, ref.row != nullptr) >> (u * kW)) & ((1u << kW) - 1);
     if (lane == 0) raw[Cfg::kRawScaleOff + kT * 8 + pw] = static_cast<uint8_t>(valid);
     // The warp's kW rows are contiguous in the stage. Missing rows are zero-filled (finite V).
     uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
-    // Lane j < kW copies token j's row in one bulk copy onto the warp's barrier of this stage
+    // Lane u kW + j copies token j's row in one bulk copy onto the warp's barrier of this stage
     // (the API demands 16-byte aligned pages and strides, and rows are 576 bytes); lane 0's
     // arrival announces the bytes of all present rows. Absent rows are zeroed by the whole warp.
     if (lane == 0) mbar_arrive_expect_tx(raw_bar(rs, pw), __popc(valid) * Cfg::kRawRowBytes);
-    if (lane < kW && ref.row != nullptr) {
-      bulk_copy(dst + lane * Cfg::kRawRowBytes, ref.row, Cfg::kRawRowBytes, raw_bar(rs, pw));
+    if (mine && ref.row != nullptr) {
+      bulk_copy(dst + j * Cfg::kRawRowBytes, ref.row, Cfg::kRawRowBytes, raw_bar(rs, pw));
     }
     if (valid != (1u << kW) - 1) {
 #pragma unroll 1
@@ -470,9 +474,9 @@ struct Sm90Cta {
         }
       }
     }
-    if (lane < kW) {
+    if (mine) {
       const bool ok = ref.row != nullptr;
-      ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + lane) * 8,
+      ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + j) * 8,
                             ok ? ref.scale : never_read(), ok);
     }
   }
@@ -485,8 +489,10 @@ struct Sm90Cta {
     // One branch around all kW tokens, not one per token, and the loads of a batch of tokens
     // before their stores (the compiler cannot move a load of the raw stage above a store to the
     // tile: both are shared memory), so that the tokens' shared-memory round trips overlap.
-    // Batches of kBatch keep the registers within the producers' budget.
-    constexpr int kBatch = kW % 3 == 0 ? 3 : (kW % 2 == 0 ? 2 : 1);
+    // Batches of 2 keep the registers within the producers' budget next to a batch of row
+    // pointers (load_batch); batches of 3 spilled.
+    constexpr int kBatch = 2;
+    static_assert(kW % kBatch == 0, "whole batches");
     // Lane l converts chunk l % 4 of 64-dim block `block`. The 8 lanes of a 16-byte access phase
     // take two blocks of equal parity (lanes 0-7: blocks 0 and 2; 8-15: 1 and 3; 16-23: 4 and 6;
     // 24-27: 5), the second four on token j ^ 1 while the first four are on token j. Token j ^ 1's
@@ -544,24 +550,65 @@ struct Sm90Cta {
     }
   }
 
+  // MODEL1 producers resolve their rows kBatchTiles tiles at a time: lane l < kBatchTiles kW
+  // holds token l % kW (of the warp's kW) of tile l / kW of a batch. A lane's index load, page
+  // division and row addresses are then issued by the warp once a batch instead of once a tile,
+  // and a batch's indices are loaded a batch ahead of their use.
+  static constexpr int kBatchTiles = 32 / Cfg::kTokensPerWarp;
+  struct PendingToken {
+    int raw;  // >= 0 only below the pair's length (load_raw)
+    int pos;  // the token's position in its pair; bit 31: an extra-cache token
+  };
+
+  // The lane's token of the batch that starts at `first`, up to its index load; `first` moves on
+  // to the next batch.
+  __device__ PendingToken load_batch(TileCursor<kT>& first, PartStart end, int lane,
+                                     int tok) const {
+    TileCursor<kT> mine = first;
+#pragma unroll 1
+    for (int u = 0; u < kBatchTiles; ++u) {
+      if (u == lane / Cfg::kTokensPerWarp) mine = first;
+      first.advance(p, end);
+    }
+    PendingToken t{-1, 0};
+    if (lane < kBatchTiles * Cfg::kTokensPerWarp) {
+      const int pos = mine.k * kT + tok;
+      // The pair's request and query token from pr: the cursors then need not carry them.
+      int i, sq;
+      pair_coords(p, mine.pr, &i, &sq);
+      if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
+      t.pos = !p.dense && pos >= mine.n_main ? pos | INT_MIN : pos;
+    }
+    return t;
+  }
+  __device__ RowRef resolve_pending(const PendingToken& t) const {
+    // raw >= 0 already says that the token is below the pair's length; the sign bit says which
+    // cache it is in.
+    PairInfo info{};
+    info.n_main = t.pos < 0 ? 0 : INT_MAX;
+    info.len = INT_MAX;
+    return smxx::decode::resolve<F>(p, info, grp, t.pos & INT_MAX, t.raw);
+  }
+
   __device__ void producer_staged() {
     constexpr int kW = Cfg::kTokensPerWarp;
+    static_assert(Cfg::kRawStages < kBatchTiles, "the prologue's tiles are in the first batch");
     const int tid = threadIdx.x;
     const int lane = tid & 31, pw = tid >> 5;
     const int tok = pw * kW + lane % kW;
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;  // the tile converted next
     cur.init(p, end);
-    TileCursor<kT> ahead = cur;  // the tile whose raw rows are issued next
-    int raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
+    TileCursor<kT> ahead = cur;  // the first tile of the batch after the pending one
+    PendingToken pending = load_batch(ahead, end, lane, tok);
+    RowRef ref = resolve_pending(pending);
+    pending = load_batch(ahead, end, lane, tok);
 #pragma unroll
     for (int u = 0; u < Cfg::kRawStages; ++u) {
-      const RowRef ref = lane < kW ? resolve_token(ahead, tok, raw_ahead) : RowRef{nullptr, nullptr};
-      ahead.advance(p, end);
-      raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
-      issue_raw(u, ref, lane, pw);
+      issue_raw(u, ref, u, lane, pw);
       ptx::cp_async_commit();
     }
+    int u_next = Cfg::kRawStages;  // the batch's tile whose raw rows are issued next
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const int rs = it % Cfg::kRawStages;
@@ -579,10 +626,13 @@ struct Sm90Cta {
       fence_proxy_async();
       mbar_arrive(full_bar(st));
       __syncwarp();  // every lane has read raw stage rs before it is refilled
-      const RowRef ref = lane < kW ? resolve_token(ahead, tok, raw_ahead) : RowRef{nullptr, nullptr};
-      ahead.advance(p, end);
-      raw_ahead = lane < kW ? raw_token(ahead, tok) : -1;
-      issue_raw(rs, ref, lane, pw);
+      if (u_next == kBatchTiles) {
+        ref = resolve_pending(pending);
+        pending = load_batch(ahead, end, lane, tok);
+        u_next = 0;
+      }
+      issue_raw(rs, ref, u_next, lane, pw);
+      ++u_next;
       ptx::cp_async_commit();
       cur.advance(p, end);
     }
