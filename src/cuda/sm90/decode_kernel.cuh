@@ -441,11 +441,12 @@ struct Sm90Cta {
     ptx::cp_async_wait<0>();
   }
 
-  // MODEL1 producers: the raw rows and scales of tile u land in raw stage u % kRawStages (rows:
-  // on the warp's raw_bar; scales: one cp.async group per tile); each warp copies, and later
-  // converts, its own kW tokens.
+  // MODEL1 producers: the raw rows and scales of the it-th tile land in raw stage it % kRawStages
+  // (rows: on the warp's raw_bar; scales: one cp.async group per tile); each warp copies, and
+  // later converts, its own kW tokens.
   __device__ uint8_t* raw_smem(int rs) const { return smem + Cfg::kRawOff + rs * Cfg::kRawBytes; }
 
+  // u: the tile's place in its batch (load_batch), whose rows lanes [u kW, u kW + kW) hold.
   __device__ void issue_raw(int rs, const RowRef& ref, int u, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
     constexpr int kRowChunks = Cfg::kRawRowBytes / 16;
@@ -573,7 +574,8 @@ struct Sm90Cta {
     PendingToken t{-1, 0};
     if (lane < kBatchTiles * Cfg::kTokensPerWarp) {
       const int pos = mine.k * kT + tok;
-      // The pair's request and query token from pr: the cursors then need not carry them.
+      // The pair's request and query token from pr, so that the walked cursors' copies of them
+      // need not stay live in the producers' registers.
       int i, sq;
       pair_coords(p, mine.pr, &i, &sq);
       if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
