@@ -491,7 +491,7 @@ struct Sm90Cta {
     // before their stores (the compiler cannot move a load of the raw stage above a store to the
     // tile: both are shared memory), so that the tokens' shared-memory round trips overlap.
     // Batches of 2 keep the registers within the producers' budget next to a batch of row
-    // pointers (load_batch); batches of 3 spilled.
+    // pointers (resolve_pending); batches of 3 spilled.
     constexpr int kBatch = 2;
     static_assert(kW % kBatch == 0, "whole batches");
     // Lane l converts chunk l % 4 of 64-dim block `block`. The 8 lanes of a 16-byte access phase
