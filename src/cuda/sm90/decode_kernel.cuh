@@ -183,7 +183,8 @@ struct TileCursor {
   __device__ void init(const DecodeParams& p, PartStart end) {
     const PartStart begin = p.parts[blockIdx.x];
     pr = begin.pair;
-    seg = 0;
+    // A part with no tile leaves the tile fields unset in enter(), but batches read them.
+    k = k0 = k1 = seg = n_main = len = i = sq = 0;
     enter(p, end, begin.tile, begin.n_main, begin.len);
   }
 
