@@ -266,15 +266,47 @@ struct Sm90Cta {
 
   // ---------------------------------------------------------------- producers (warps 0-7)
 
-  // Raw slot / page value of token `tok` of the cursor's tile (-1 past the end).
-  __device__ int raw_token(const TileCursor<kT>& c, int tok) const {
-    if (!c.valid(p)) return -1;
-    return smxx::decode::load_raw(p, c.info(), c.i, c.sq, c.k * kT + tok);
+  // Producers resolve their rows kBatchTiles tiles at a time: lane l < kBatchTiles kW holds token
+  // l % kW (of the warp's kW) of tile l / kW of a batch. A lane's index load, page division and
+  // row addresses are then issued by the warp once a batch instead of once a tile, and a batch's
+  // indices are loaded a batch ahead of their use.
+  static constexpr int kBatchTiles = 32 / Cfg::kTokensPerWarp;
+  struct PendingToken {
+    int raw;  // >= 0 only below the pair's length (load_raw)
+    int pos;  // the token's position in its pair; bit 31: an extra-cache token
+  };
+
+  // The lane's token of the batch that starts at `first`, up to its index load; `first` moves on
+  // to the next batch.
+  __device__ PendingToken load_batch(TileCursor<kT>& first, PartStart end, int lane,
+                                     int tok) const {
+    TileCursor<kT> mine = first;
+#pragma unroll 1
+    for (int u = 0; u < kBatchTiles; ++u) {
+      if (u == lane / Cfg::kTokensPerWarp) mine = first;
+      first.advance(p, end);
+    }
+    PendingToken t{-1, 0};
+    if (lane < kBatchTiles * Cfg::kTokensPerWarp) {
+      const int pos = mine.k * kT + tok;
+      // The pair's request and query token from pr, so that the walked cursors' copies of them
+      // need not stay live in the producers' registers.
+      int i, sq;
+      pair_coords(p, mine.pr, &i, &sq);
+      if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
+      t.pos = !p.dense && pos >= mine.n_main ? pos | INT_MIN : pos;
+    }
+    return t;
   }
-  __device__ RowRef resolve_token(const TileCursor<kT>& c, int tok, int raw) const {
-    if (!c.valid(p)) return RowRef{nullptr, nullptr};
-    return smxx::decode::resolve<F>(p, c.info(), grp, c.k * kT + tok, raw);
+  __device__ RowRef resolve_pending(const PendingToken& t) const {
+    // raw >= 0 already says that the token is below the pair's length; the sign bit says which
+    // cache it is in.
+    PairInfo info{};
+    info.n_main = t.pos < 0 ? 0 : INT_MAX;
+    info.len = INT_MAX;
+    return smxx::decode::resolve<F>(p, info, grp, t.pos & INT_MAX, t.raw);
   }
+
   // The data row that lane `j` of the warp resolved (every lane must call).
   __device__ static const uint8_t* row_of_lane(const RowRef& ref, int j) {
     return reinterpret_cast<const uint8_t*>(
@@ -283,12 +315,12 @@ struct Sm90Cta {
   // Source address of zero-filling copies (0 bytes are read from it).
   __device__ const uint8_t* never_read() const { return reinterpret_cast<const uint8_t*>(p.q); }
 
-  // V32: lane l loads the fp32 scale of 128-dim block l % 4 of the warp's token l / 4, so that
-  // a lane then fetches the scale of its block of token j with one shuffle, from lane 4 j + block
-  // (the MODEL1 producers stage theirs).
-  __device__ float load_block_scale(const RowRef& ref, int lane) const {
+  // V32: lane l loads the fp32 scale of 128-dim block l % 4 of the warp's token l / 4 (whose row
+  // lane base + l / 4 holds), so that a lane then fetches the scale of its block of token j with
+  // one shuffle, from lane 4 j + block (the MODEL1 producers stage theirs).
+  __device__ float load_block_scale(const RowRef& ref, int base, int lane) const {
     static_assert(Cfg::kTokensPerWarp * 4 == 32, "a block scale a lane");
-    const uint8_t* row = row_of_lane(ref, lane >> 2);
+    const uint8_t* row = row_of_lane(ref, base + (lane >> 2));
     if (row == nullptr) return 0.f;
     return __ldg(reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset) + (lane & 3));
   }
@@ -319,45 +351,54 @@ struct Sm90Cta {
     const int tid = threadIdx.x;
     const int lane = tid & 31, pw = tid >> 5;
     constexpr int kW = Cfg::kTokensPerWarp;
-    const int tok = pw * kW + lane % kW;  // token of the tile resolved by this lane (lanes < kW)
+    const int tok = pw * kW + lane % kW;  // the lane's token of its tile of a batch
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;
     cur.init(p, end);
-    TileCursor<kT> nxt = cur;
-    nxt.advance(p, end);
-    int raw = lane < kW ? raw_token(cur, tok) : -1;  // dense: the page of ref's token
-    RowRef ref = lane < kW ? resolve_token(cur, tok, raw) : RowRef{nullptr, nullptr};
-    int raw_next = lane < kW ? raw_token(nxt, tok) : -1;
+    // The rows of the current batch. The next batch's indices are loaded at the batch's first
+    // tile, once its rows' loads are out, and resolved at its last tile, whose V32 L2 prefetch
+    // takes the next batch's first rows. 16-bit dense pages also keep the pages (raw values) for
+    // their TMA boxes.
+    TileCursor<kT> ahead = cur;
+    PendingToken pending = load_batch(ahead, end, lane, tok);
+    int batch_raw = pending.raw;
+    RowRef batch = resolve_pending(pending);
+    RowRef next{nullptr, nullptr};
+    int u = 0;  // cur's place in the batch: lanes [u kW, u kW + kW) hold its rows
 
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
+      const int base = u * kW;
 
       // FP8 rows: issue the loads of all tokens of this warp (and their scales, loaded here
       // rather than a tile ahead: that register set spilled) before anything waits.
       uint4 data[kW];
       float block_scale = 0.f;
       if constexpr (Tr::kFP8) {
-        block_scale = load_block_scale(ref, lane);
+        block_scale = load_block_scale(batch, base, lane);
 #pragma unroll
         for (int j = 0; j < kW; ++j) {
-          const auto row = row_of_lane(ref, j);
+          const auto row = row_of_lane(batch, base + j);
           data[j] = make_uint4(0, 0, 0, 0);
           if (row != nullptr) data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
         }
       }
 
-      // Rows of the next tile, raw values of the one after.
-      TileCursor<kT> after = nxt;
-      after.advance(p, end);
-      const int raw_res = raw_next;
-      const RowRef ref_next =
-          lane < kW ? resolve_token(nxt, tok, raw_res) : RowRef{nullptr, nullptr};
+      if (u == 0) pending = load_batch(ahead, end, lane, tok);
+      if (u + 1 == kBatchTiles) next = resolve_pending(pending);
       // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
       // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
       // of its throughput on dense bf16 h_q 128, the extra requests cost 1-3% (variant 26).
-      if (Tr::kFP8 && ref_next.row != nullptr) bulk_prefetch_l2(ref_next.row, Tr::kRowBytes);
-      raw_next = lane < kW ? raw_token(after, tok) : -1;
+      if constexpr (Tr::kFP8) {
+        const bool last = u + 1 == kBatchTiles;
+        const int next_base = last ? 0 : base + kW;
+        const uint8_t* next_row = last ? next.row : batch.row;
+        if (static_cast<unsigned>(lane - next_base) < static_cast<unsigned>(kW) &&
+            next_row != nullptr) {
+          bulk_prefetch_l2(next_row, Tr::kRowBytes);
+        }
+      }
 
       if (cur.first()) {
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
@@ -366,13 +407,15 @@ struct Sm90Cta {
 
       mbar_wait(empty_bar(st), phase ^ 1);
       uint8_t* tile = tile_smem(st);
-      const uint32_t valid = __ballot_sync(0xffffffffu, lane < kW && ref.row != nullptr);
+      const uint32_t valid =
+          (__ballot_sync(0xffffffffu, batch.row != nullptr) >> base) & ((1u << kW) - 1);
       if (lane == 0) mask_smem(st)[pw] = static_cast<uint8_t>(valid);
       // 16-bit dense pages: a warp whose kW tokens are all present (so in one page, whose size
       // the host checked to be a multiple of kW) takes them as one TMA box per 64-dim block.
       bool by_tma = false;
       if constexpr (!Tr::kFP8) {
         by_tma = kv_map != nullptr && valid == (1u << kW) - 1;
+        const int page = __shfl_sync(0xffffffffu, batch_raw, base);
         if (by_tma && lane == 0) {
           const int pos = cur.k * kT + pw * kW;
           const int off =
@@ -381,7 +424,7 @@ struct Sm90Cta {
 #pragma unroll
           for (int b = 0; b < kChunks / 8; ++b) {
             tma_load_4d(tile + b * Cfg::kBlockBytes + pw * kW * 128, kv_map, full_bar(st), b * 64,
-                        grp, off, raw);
+                        grp, off, page);
           }
         }
       }
@@ -405,7 +448,7 @@ struct Sm90Cta {
           *reinterpret_cast<uint4*>(tile + first) = first_half;
           *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = second_half;
         } else if (!by_tma) {
-          const auto row = row_of_lane(ref, j);
+          const auto row = row_of_lane(batch, base + j);
 #pragma unroll
           for (int ch = lane; ch < kChunks; ch += 32) {
             uint8_t* dst = tile + sw_off(t, ch, kT);
@@ -423,7 +466,7 @@ struct Sm90Cta {
 #pragma unroll
         for (int h = 0; h < kW / 4; ++h) {
           const int j = 4 * h + (lane >> 3), ch = lane & 7;
-          const auto row = row_of_lane(ref, j);
+          const auto row = row_of_lane(batch, base + j);
           ptx::cp_async_16_zfill(tile + sw_off(pw * kW + j, kRopeDst + ch, kT),
                                  row != nullptr ? row + (kRopeSrc + ch) * 16 : never_read(),
                                  row != nullptr);
@@ -434,10 +477,12 @@ struct Sm90Cta {
       mbar_arrive_on_cp_async(full_bar(st));
       mbar_arrive(full_bar(st));
 
-      cur = nxt;
-      nxt = after;
-      ref = ref_next;
-      raw = raw_res;
+      cur.advance(p, end);
+      if (++u == kBatchTiles) {
+        u = 0;
+        batch = next;
+        batch_raw = pending.raw;
+      }
     }
     ptx::cp_async_wait<0>();
   }
@@ -552,47 +597,6 @@ struct Sm90Cta {
     }
   }
 
-  // MODEL1 producers resolve their rows kBatchTiles tiles at a time: lane l < kBatchTiles kW
-  // holds token l % kW (of the warp's kW) of tile l / kW of a batch. A lane's index load, page
-  // division and row addresses are then issued by the warp once a batch instead of once a tile,
-  // and a batch's indices are loaded a batch ahead of their use.
-  static constexpr int kBatchTiles = 32 / Cfg::kTokensPerWarp;
-  struct PendingToken {
-    int raw;  // >= 0 only below the pair's length (load_raw)
-    int pos;  // the token's position in its pair; bit 31: an extra-cache token
-  };
-
-  // The lane's token of the batch that starts at `first`, up to its index load; `first` moves on
-  // to the next batch.
-  __device__ PendingToken load_batch(TileCursor<kT>& first, PartStart end, int lane,
-                                     int tok) const {
-    TileCursor<kT> mine = first;
-#pragma unroll 1
-    for (int u = 0; u < kBatchTiles; ++u) {
-      if (u == lane / Cfg::kTokensPerWarp) mine = first;
-      first.advance(p, end);
-    }
-    PendingToken t{-1, 0};
-    if (lane < kBatchTiles * Cfg::kTokensPerWarp) {
-      const int pos = mine.k * kT + tok;
-      // The pair's request and query token from pr, so that the walked cursors' copies of them
-      // need not stay live in the producers' registers.
-      int i, sq;
-      pair_coords(p, mine.pr, &i, &sq);
-      if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
-      t.pos = !p.dense && pos >= mine.n_main ? pos | INT_MIN : pos;
-    }
-    return t;
-  }
-  __device__ RowRef resolve_pending(const PendingToken& t) const {
-    // raw >= 0 already says that the token is below the pair's length; the sign bit says which
-    // cache it is in.
-    PairInfo info{};
-    info.n_main = t.pos < 0 ? 0 : INT_MAX;
-    info.len = INT_MAX;
-    return smxx::decode::resolve<F>(p, info, grp, t.pos & INT_MAX, t.raw);
-  }
-
   __device__ void producer_staged() {
     constexpr int kW = Cfg::kTokensPerWarp;
     static_assert(Cfg::kRawStages < kBatchTiles, "the prologue's tiles are in the first batch");
@@ -605,12 +609,12 @@ struct Sm90Cta {
     TileCursor<kT> ahead = cur;  // the first tile of the batch after the pending one
     PendingToken pending = load_batch(ahead, end, lane, tok);
     RowRef ref = resolve_pending(pending);
-    pending = load_batch(ahead, end, lane, tok);
 #pragma unroll
     for (int u = 0; u < Cfg::kRawStages; ++u) {
       issue_raw(u, ref, u, lane, pw);
       ptx::cp_async_commit();
     }
+    pending = load_batch(ahead, end, lane, tok);  // after the first copies: small parts wait less
     int u_next = Cfg::kRawStages;  // the batch's tile whose raw rows are issued next
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
