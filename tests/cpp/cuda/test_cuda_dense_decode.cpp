@@ -91,6 +91,14 @@ std::vector<DenseParam> dense_params() {
   v.push_back({"v32_b2_sq1_h32_page69", base(V32, 2, 1, 32, 1, 69)});
   v.push_back({"v32_b3_sq2_h16_page2", base(V32, 3, 2, 16, 1, 2, {1, 2, 300})});
   {
+    // V32 with two 64-row blocks a group: one KV head (causal, a length of 0), and two KV heads
+    // of two row blocks each.
+    auto c = base(V32, 3, 2, 64, 1, 64, {700, 0, 90});
+    c.causal = true;
+    v.push_back({"v32_b3_sq2_h64_causal_2_row_blocks", c});
+    v.push_back({"v32_b2_sq1_h256_hkv2_page32", base(V32, 2, 1, 256, 2, 32, {1200, 333})});
+  }
+  {
     // An imbalanced batch (one long request split over many CTAs, short ones packed).
     auto c = base(BF, 4, 4, 16, 1, 64, {580, 5640, 216, 212});
     c.causal = true;

@@ -109,6 +109,23 @@ std::vector<SparseParam> sparse_params() {
     e.softmax_scale = 30.f;
     v.push_back({"b8_sq2_h128_model1_topk1000_sharp_scale", e});
   }
+  {
+    // V32 with two 64-row blocks a token list (h_q 128, the rows FlashMLA's Hopper kernel runs
+    // without lengths or an extra cache): the same corners as MODEL1's above.
+    auto c = with_extra(base(V32, 3, 2, 128, 300, 61), 70, 2);
+    c.use_topk_length = c.use_extra_topk_length = true;
+    c.use_sink = true;
+    c.index.invalid_fraction = 0.1;
+    c.index.out_of_range_fraction = 0.1;
+    v.push_back({"b3_sq2_h128_v32_extra_lengths_sink_bad_indices", c});
+    auto d = with_extra(base(V32, 1, 1, 128, 3000, 64), 1000, 2);
+    d.use_sink = true;
+    v.push_back({"b1_sq1_h128_v32_topk3000_extra1000_split", d});
+    v.push_back({"b2_sq2_h100_v32", with_extra(base(V32, 2, 2, 100, 150, 64), 40, 2)});
+    auto e = base(V32, 8, 2, 128, 1000, 64);
+    e.softmax_scale = 30.f;
+    v.push_back({"b8_sq2_h128_v32_topk1000_sharp_scale", e});
+  }
   return v;
 }
 
@@ -128,14 +145,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaSparseDecode, ::testing::ValuesIn(sparse_pa
                          [](const auto& info) { return info.param.name; });
 
 // topk_length / extra_topk_length of 0, partial, exactly topk and beyond topk (clamped); the
-// entries past each length point far out of the cache and must not be read.
+// entries past each length point far out of the cache and must not be read; at h_q 128 on two
+// row blocks a list.
 TEST(CudaSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
   SKIP_WITHOUT_GPU();
-  for (KVFormat format : {M1, V32}) {
-    ref::SparseCaseConfig cfg = with_extra(base(format, 5, 2, 8, 75, 61), 40, 2);
+  for (auto [format, h_q] : {std::pair{M1, 8}, {V32, 8}, {M1, 128}, {V32, 128}}) {
+    ref::SparseCaseConfig cfg = with_extra(base(format, 5, 2, h_q, 75, 61), 40, 2);
     cfg.use_sink = true;
     cfg.seed = test_seed();
-    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    SCOPED_TRACE("h_q " + std::to_string(h_q) +
+                 " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
     ref::SparseCase c = ref::make_sparse_case(cfg);
     c.topk_length = ref::make_int_tensor({0, 9, 75, 1000, 0});
     c.extra_topk_length = ref::make_int_tensor({40, 0, 3, 0, -7});
@@ -151,7 +170,7 @@ TEST(CudaSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
     c.refresh_cache(rng);
     check_case(c);
     for (int64_t s = 0; s < 2; ++s) {
-      for (int64_t h = 0; h < 8; ++h) {
+      for (int64_t h = 0; h < h_q; ++h) {
         EXPECT_EQ(c.lse.get({4, h, s}), kInf);
         EXPECT_EQ(c.out.get({4, s, h, 0}), 0.0);
       }
