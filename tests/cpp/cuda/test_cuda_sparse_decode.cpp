@@ -91,40 +91,25 @@ std::vector<SparseParam> sparse_params() {
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths", d});
     v.push_back({"b2_sq1_h16_v32_topk2500_split_lengths_tiles16x16", d, "16x16"});
   }
-  {
-    // MODEL1 with two 64-row blocks a token list (h_q 128, the Hopper kernel's S over whole
-    // 48-token tiles): lengths, sinks, -1 and out-of-range indices, a split list, a second block
-    // of 36 rows (h_q 100) and a sharp softmax.
-    auto c = with_extra(base(M1, 3, 2, 128, 300, 61), 70, 2);
+  for (KVFormat f : {M1, V32}) {
+    // Two 64-row blocks a token list (h_q 128; MODEL1: the Hopper kernel's S over whole 48-token
+    // tiles; V32: the rows FlashMLA's Hopper kernel runs without lengths or an extra cache):
+    // lengths, sinks, -1 and out-of-range indices, a split list, a second block of 36 rows
+    // (h_q 100) and a sharp softmax.
+    const std::string fmt = f == M1 ? "model1" : "v32";
+    auto c = with_extra(base(f, 3, 2, 128, 300, 61), 70, 2);
     c.use_topk_length = c.use_extra_topk_length = true;
     c.use_sink = true;
     c.index.invalid_fraction = 0.1;
     c.index.out_of_range_fraction = 0.1;
-    v.push_back({"b3_sq2_h128_model1_extra_lengths_sink_bad_indices", c});
-    auto d = with_extra(base(M1, 1, 1, 128, 3000, 64), 1000, 2);
+    v.push_back({"b3_sq2_h128_" + fmt + "_extra_lengths_sink_bad_indices", c});
+    auto d = with_extra(base(f, 1, 1, 128, 3000, 64), 1000, 2);
     d.use_sink = true;
-    v.push_back({"b1_sq1_h128_model1_topk3000_extra1000_split", d});
-    v.push_back({"b2_sq2_h100_model1", with_extra(base(M1, 2, 2, 100, 150, 64), 40, 2)});
-    auto e = base(M1, 8, 2, 128, 1000, 64);
+    v.push_back({"b1_sq1_h128_" + fmt + "_topk3000_extra1000_split", d});
+    v.push_back({"b2_sq2_h100_" + fmt, with_extra(base(f, 2, 2, 100, 150, 64), 40, 2)});
+    auto e = base(f, 8, 2, 128, 1000, 64);
     e.softmax_scale = 30.f;
-    v.push_back({"b8_sq2_h128_model1_topk1000_sharp_scale", e});
-  }
-  {
-    // V32 with two 64-row blocks a token list (h_q 128, the rows FlashMLA's Hopper kernel runs
-    // without lengths or an extra cache): the same corners as MODEL1's above.
-    auto c = with_extra(base(V32, 3, 2, 128, 300, 61), 70, 2);
-    c.use_topk_length = c.use_extra_topk_length = true;
-    c.use_sink = true;
-    c.index.invalid_fraction = 0.1;
-    c.index.out_of_range_fraction = 0.1;
-    v.push_back({"b3_sq2_h128_v32_extra_lengths_sink_bad_indices", c});
-    auto d = with_extra(base(V32, 1, 1, 128, 3000, 64), 1000, 2);
-    d.use_sink = true;
-    v.push_back({"b1_sq1_h128_v32_topk3000_extra1000_split", d});
-    v.push_back({"b2_sq2_h100_v32", with_extra(base(V32, 2, 2, 100, 150, 64), 40, 2)});
-    auto e = base(V32, 8, 2, 128, 1000, 64);
-    e.softmax_scale = 30.f;
-    v.push_back({"b8_sq2_h128_v32_topk1000_sharp_scale", e});
+    v.push_back({"b8_sq2_h128_" + fmt + "_topk1000_sharp_scale", e});
   }
   return v;
 }
