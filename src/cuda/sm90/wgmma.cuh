@@ -45,12 +45,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// Starts fetching `bytes` (a multiple of 16) at a 16-byte aligned global address into L2 as
-// one bulk request (`ptx::prefetch_l2` asks for a single line).
-__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-}
-
 // Adds `bytes` to the transactions the barrier's current phase waits for (the TMA copies below
 // complete them); no arrival.
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
