@@ -72,14 +72,15 @@ struct Sm90Config {
   static constexpr int kThreads = kProducerThreads + 256;
   // 16-bit and MODEL1 pages (kSingleS): consumer 0 computes S for the whole tile and the
   // softmax, and accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the
-  // next tile's S and softmax. Producers that copy, or convert from the raw stages (MODEL1, 64
-  // registers), leave room for consumer 1's 192 accumulators and the P fragments of its wgmma
-  // in flight (232; at 224 ptxas serializes its wgmma). V32's producers convert from registers
+  // next tile's S and softmax. Producers that copy (56 registers) or convert from the raw stages
+  // (MODEL1, 72: at 64 they wait longer on their loads) leave room for consumer 1's 192
+  // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
+  // wgmma). V32's producers convert from registers
   // and need 80, so its consumers split the tile's tokens and the output dims evenly (176
   // registers each).
   static constexpr bool kSingleS = !Traits::kFP8 || kStaged;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
-  static constexpr int kProducerRegs = kStaged ? 64 : (kSingleS ? 56 : 80);
+  static constexpr int kProducerRegs = kStaged ? 72 : (kSingleS ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
   static constexpr int kPVRegs = kSingleS ? 232 : 256 - kProducerRegs;
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
