@@ -51,6 +51,9 @@ using smxx::decode::Fmt;
 using smxx::decode::FormatTraits;
 using smxx::decode::next_max;
 using smxx::decode::PairInfo;
+using smxx::decode::part_holds;
+using smxx::decode::part_pair_end;
+using smxx::decode::part_pair_info;
 using smxx::decode::PartStart;
 using smxx::decode::RowRef;
 using smxx::decode::token_visible;
@@ -132,6 +135,10 @@ __device__ __forceinline__ void pair_coords(const DecodeParams& p, int pr, int* 
 // three of them live.
 template <int kT>
 struct TileCursor {
+  // A part start that no pair is the first of: every pair's lengths from pairs[] (INT_MAX: the
+  // compiler drops the test, since enter() only asks for pairs below num_pairs).
+  static constexpr PartStart kPastBegin{INT_MAX, 0, 0, 0};
+
   int pr;   // pair; num_pairs when done
   int k;    // tile within the pair
   int k0;   // first tile of the pair in this part
@@ -150,28 +157,16 @@ struct TileCursor {
     return i;
   }
 
-  // Enters pair pr at tile kt, skipping pairs with no tile in this part. known_len >= 0: pair pr's
-  // lengths are known_n_main / known_len (the part table's copy for a part's first pair), so the
-  // first index loads do not wait for a pairs[] read.
-  __device__ void enter(const DecodeParams& p, PartStart end, int kt, int known_n_main,
-                        int known_len) {
-    while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && kt < end.tile))) {
-      int pair_n_main, pair_len;
-      if (known_len >= 0) {
-        pair_n_main = known_n_main;
-        pair_len = known_len;
-        known_len = -1;
-      } else {
-        const PairInfo info = p.pairs[pr];
-        pair_n_main = info.n_main;
-        pair_len = info.len;
-      }
-      const int ntiles = smxx::decode::pair_tiles(pair_len, kT);
-      k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
+  // Enters pair pr at tile kt, skipping pairs with no tile in this part; begin: the part's start,
+  // whose first pair's lengths come with it (kPastBegin once the cursor has left that pair).
+  __device__ void enter(const DecodeParams& p, PartStart end, int kt, PartStart begin) {
+    while (pr < p.num_pairs && part_holds(end, pr, kt)) {
+      const PairInfo info = part_pair_info(p, begin, pr);
+      k1 = part_pair_end(end, pr, smxx::decode::pair_tiles(info.len, kT));
       if (kt < k1) {
         k = k0 = kt;
-        n_main = pair_n_main;
-        len = pair_len;
+        n_main = info.n_main;
+        len = info.len;
         pair_coords(p, pr, &i, &sq);
         return;
       }
@@ -186,7 +181,7 @@ struct TileCursor {
     pr = begin.pair;
     // A part with no tile leaves the tile fields unset in enter(), but batches read them.
     k = k0 = k1 = seg = n_main = len = i = sq = 0;
-    enter(p, end, begin.tile, begin.n_main, begin.len);
+    enter(p, end, begin.tile, begin);
   }
 
   __device__ void advance(const DecodeParams& p, PartStart end) {
@@ -197,7 +192,7 @@ struct TileCursor {
     }
     ++pr;
     ++seg;
-    enter(p, end, 0, 0, -1);
+    enter(p, end, 0, kPastBegin);
   }
 };
 

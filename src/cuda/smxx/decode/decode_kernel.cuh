@@ -57,6 +57,25 @@ __device__ __forceinline__ bool token_visible(Bits vmask, int col, int pos0, con
   return ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
 }
 
+// A CTA's walk over its part [begin, end) of the cost line, shared by the portable and Hopper
+// kernels: whether the part holds tile `tile` of pair `pr`, and the end of its tiles of pair `pr`.
+__device__ __forceinline__ bool part_holds(const PartStart& end, int pr, int tile) {
+  return pr < end.pair || (pr == end.pair && tile < end.tile);
+}
+__device__ __forceinline__ int part_pair_end(const PartStart& end, int pr, int ntiles) {
+  return pr == end.pair ? min(end.tile, ntiles) : ntiles;
+}
+// Pair pr's lengths: the part's first pair takes them from the part table, so that a CTA's first
+// index loads need no pairs[] read.
+__device__ __forceinline__ PairInfo part_pair_info(const DecodeParams& p, const PartStart& begin,
+                                                   int pr) {
+  if (pr != begin.pair) return p.pairs[pr];
+  PairInfo info{};
+  info.n_main = begin.n_main;
+  info.len = begin.len;
+  return info;
+}
+
 // Where a pair's raw values live: its index rows (sparse: main and extra cache) or its block
 // table row (dense, in `main`).
 struct PairRows {
@@ -592,19 +611,9 @@ __global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
   const PartStart begin = p.parts[blockIdx.x];
   const PartStart end = p.parts[blockIdx.x + 1];
   int pr = begin.pair, k0 = begin.tile;
-  bool first = true;
-  while (pr < p.num_pairs && (pr < end.pair || (pr == end.pair && k0 < end.tile))) {
-    // The first pair's lengths come with the part table: its index loads need no pairs[] read.
-    PairInfo info{};
-    if (first) {
-      info.n_main = begin.n_main;
-      info.len = begin.len;
-      first = false;
-    } else {
-      info = p.pairs[pr];
-    }
-    const int ntiles = pair_tiles(info.len, Cta::kT);
-    const int k1 = pr == end.pair ? min(end.tile, ntiles) : ntiles;
+  while (pr < p.num_pairs && part_holds(end, pr, k0)) {
+    const PairInfo info = part_pair_info(p, begin, pr);
+    const int k1 = part_pair_end(end, pr, pair_tiles(info.len, Cta::kT));
     if (k0 < k1) cta.segment(pr, k0, k1, info);
     ++pr;
     k0 = 0;
