@@ -78,9 +78,8 @@ struct Sm90Config {
   // next tile's S and softmax. Producers that copy (56 registers) or convert from the raw stages
   // (MODEL1, 72: at 64 they wait longer on their loads) leave room for consumer 1's 192
   // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
-  // wgmma). V32's producers convert from registers
-  // and need 80, so its consumers split the tile's tokens and the output dims evenly (176
-  // registers each).
+  // wgmma). V32's producers convert from registers and need 80, so its consumers split the
+  // tile's tokens and the output dims evenly (176 registers each).
   static constexpr bool kSingleS = !Traits::kFP8 || kStaged;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
   static constexpr int kProducerRegs = kStaged ? 72 : (kSingleS ? 56 : 80);
@@ -135,8 +134,8 @@ __device__ __forceinline__ void pair_coords(const DecodeParams& p, int pr, int* 
 // three of them live.
 template <int kT>
 struct TileCursor {
-  // A part start that no pair is the first of: every pair's lengths from pairs[] (INT_MAX: the
-  // compiler drops the test, since enter() only asks for pairs below num_pairs).
+  // A part start that no pair is the first of, so that every pair's lengths come from pairs[]
+  // (INT_MAX: enter() only asks for pairs below num_pairs).
   static constexpr PartStart kPastBegin{INT_MAX, 0, 0, 0};
 
   int pr;   // pair; num_pairs when done
