@@ -680,8 +680,9 @@ struct Sm90Cta {
     wgmma_wait<0>();
   }
 
-  // Masks S (invalid tokens, causal limit), scales it to base 2 and returns the thread's rows'
-  // maxima over the quad (a row's values of one S sit in one quad).
+  // Masks S (invalid tokens, causal limit) and returns the thread's rows' maxima over the quad (a
+  // row's values of one S sit in one quad) in base 2: the scale is positive, so the maximum is
+  // scaled once instead of every value (exp_rows scales them inside its FMA).
   __device__ void mask_and_max(float (&s)[kSN / 2], const TileCursor<kT>& cur, int st, int c,
                                int lane, const int (&lim)[2], float (&mx)[2]) const {
     using Bits = std::conditional_t<(kSN > 32), uint64_t, uint32_t>;
@@ -696,18 +697,14 @@ struct Sm90Cta {
     mx[0] = mx[1] = -INFINITY;
     if (all_tokens_visible<kSN>(vmask, pos0, lim)) {
 #pragma unroll
-      for (int e = 0; e < kSN / 2; ++e) {
-        s[e] *= p.scale_log2;
-        mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
-      }
+      for (int e = 0; e < kSN / 2; ++e) mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
     } else {
 #pragma unroll
       for (int j = 0; j < kSN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
-          s[4 * j + e] =
-              token_visible(vmask, col, pos0, lim, e) ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+          if (!token_visible(vmask, col, pos0, lim, e)) s[4 * j + e] = -INFINITY;
           mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
         }
       }
@@ -716,16 +713,17 @@ struct Sm90Cta {
     for (int rr = 0; rr < 2; ++rr) {
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+      mx[rr] *= p.scale_log2;
     }
   }
 
-  // S -> 2^(S - m_use); each row's sum is added to l after rescaling it by alpha.
-  __device__ static void exp_rows(float (&s)[kSN / 2], const float (&m_use)[2],
-                                  const float (&alpha)[2], float (&l)[2]) {
+  // S -> 2^(scale_log2 S - m_use); each row's sum is added to l after rescaling it by alpha.
+  __device__ void exp_rows(float (&s)[kSN / 2], const float (&m_use)[2], const float (&alpha)[2],
+                           float (&l)[2]) const {
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int e = 0; e < kSN / 2; ++e) {
-      s[e] = ptx::exp2_approx(s[e] - m_use[(e >> 1) & 1]);
+      s[e] = ptx::exp2_approx(fmaf(s[e], p.scale_log2, -m_use[(e >> 1) & 1]));
       sum[(e >> 1) & 1] += s[e];
     }
 #pragma unroll
