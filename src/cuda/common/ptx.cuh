@@ -40,6 +40,28 @@ __device__ __forceinline__ void cp_async_8_zfill(void* smem, const void* gmem, b
                "r"(valid ? 8 : 0));
 }
 
+// An L2 cache policy for loads: evict_first marks the lines they bring in as the first to
+// replace. Data that one CTA streams once then takes the place of other such lines instead of
+// pushing out (and writing back) what the rest of the program left in L2.
+__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first) {
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  } else {
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  }
+  return policy;
+}
+
+// A 16-byte read-only global load (as __ldg) under an L2 policy (l2_policy).
+__device__ __forceinline__ uint4 ldg_16_hint(const void* src, uint64_t policy) {
+  uint4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(src), "l"(policy));
+  return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops on older GPUs, where the dependent grid is
 // launched the usual way). A primary grid lets its dependent grid start launching early; the
 // dependent waits for the primary grid's completion (and memory) before it reads its results.

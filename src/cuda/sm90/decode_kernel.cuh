@@ -220,6 +220,7 @@ struct Sm90Cta {
   // 8 tokens; nullptr where the host could not describe the cache that way (or
   // SPARSE_MLA_SM90_TMA=0).
   const CUtensorMap* kv_map;
+  uint64_t kv_policy;  // of the KV row loads: evict first where this CTA is their only reader
 
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
@@ -376,7 +377,7 @@ struct Sm90Cta {
         for (int j = 0; j < kW; ++j) {
           const auto row = row_of_lane(batch, base + j);
           data[j] = make_uint4(0, 0, 0, 0);
-          if (row != nullptr) data[j] = __ldg(reinterpret_cast<const uint4*>(row + lane * 16));
+          if (row != nullptr) data[j] = ptx::ldg_16_hint(row + lane * 16, kv_policy);
         }
       }
 
@@ -425,7 +426,7 @@ struct Sm90Cta {
 #pragma unroll
           for (int b = 0; b < kChunks / 8; ++b) {
             tma_load_4d(tile + b * Cfg::kBlockBytes + pw * kW * 128, kv_map, full_bar(st), b * 64,
-                        grp, off, page);
+                        grp, off, page, kv_policy);
           }
         }
       }
@@ -512,7 +513,8 @@ struct Sm90Cta {
     // arrival announces the bytes of all present rows. Absent rows are zeroed by the whole warp.
     if (lane == 0) mbar_arrive_expect_tx(raw_bar(rs, pw), __popc(valid) * Cfg::kRawRowBytes);
     if (mine && ref.row != nullptr) {
-      bulk_copy(dst + j * Cfg::kRawRowBytes, ref.row, Cfg::kRawRowBytes, raw_bar(rs, pw));
+      bulk_copy(dst + j * Cfg::kRawRowBytes, ref.row, Cfg::kRawRowBytes, raw_bar(rs, pw),
+                kv_policy);
     }
     if (valid != (1u << kW) - 1) {
 #pragma unroll 1
@@ -1165,6 +1167,7 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (base & 1023)) & 1023);
   Sm90Cta<F> cta{p, smem};
   cta.kv_map = kv_tma ? &kv_map : nullptr;
+  cta.kv_policy = ptx::l2_policy(p.rows_per_group <= Cfg::kRows);
   cta.grp = 0;
   int rb = blockIdx.y;
   if (p.dense) {
