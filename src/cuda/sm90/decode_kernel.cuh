@@ -10,7 +10,9 @@
 //             rows go through registers (no shared memory left for a ring at d_qk 576).
 //             bf16/fp16: straight into the tile, dense pages by TMA (a box of 8 tokens x 64
 //             dims), rows TMA cannot take by cp.async. They also load Q at the start of
-//             every pair.
+//             every pair. Where no other CTA reads the same rows (the token list's rows fit
+//             one CTA), the row loads are evicted first from L2: a stream read once, which
+//             should not push out what the rest of the program keeps there.
 //   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
 //             dims read MN-major; S is a wgmma with both operands in shared memory.
 //             16-bit and MODEL1 pages: consumer 0 computes S for the whole tile (wgmma
