@@ -222,7 +222,10 @@ struct Sm90Cta {
   // 8 tokens; nullptr where the host could not describe the cache that way (or
   // SPARSE_MLA_SM90_TMA=0).
   const CUtensorMap* kv_map;
-  uint64_t kv_policy;  // of the KV row loads: evict first where this CTA is their only reader
+  // L2 policy of the KV row loads (TMA boxes, bulk copies, V32 row loads): evict first where
+  // this CTA is their only reader. The cp.async paths keep the default: ptxas 13.0 faulted with
+  // cp.async under this policy (sm90_notes.md, variant 84).
+  uint64_t kv_policy;
 
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }

@@ -55,7 +55,8 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 }
 
 // TMA: one box of the 4-d tensor `map` at coordinates c0..c3 (innermost first) into shared
-// memory at `dst`, completing its bytes on `bar`. Coordinates outside the tensor read zeros.
+// memory at `dst`, completing its bytes on `bar`, under L2 policy `policy` (ptx::l2_policy).
+// Coordinates outside the tensor read zeros.
 __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, uint64_t* bar, int c0,
                                             int c1, int c2, int c3, uint64_t policy) {
   asm volatile(
@@ -75,7 +76,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 }
 
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory
-// with the bulk-copy engine, completing them on `bar`.
+// with the bulk-copy engine, completing them on `bar`, under L2 policy `policy`.
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
                                           uint64_t policy) {
   asm volatile(
