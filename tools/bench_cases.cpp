@@ -152,6 +152,27 @@ std::vector<Case> all_cases() {
     }
   }
 
+  // The same shapes with the two query tokens' indices 90% shared: a modelled MTP overlap (a
+  // window cache and a top-k selection move little from one token to the next), where rows that
+  // one token list reads are read again by the other. No FlashMLA times.
+  for (const auto& pc : kProdConfigs) {
+    for (size_t bi : {size_t{0}, size_t{3}}) {
+      Case c;
+      c.b = kProdBatches[bi];
+      c.s_q = 2;
+      c.h_q = pc.h_q;
+      c.name = fmt("mtp/%s/sq2/b%lld", pc.name, (long long)c.b);
+      c.suite = "model1_mtp";
+      c.config = fmt("%s s_q=2, 90%% shared", pc.name);
+      c.extra_topk = pc.extra_topk;
+      c.extra_page_size = pc.extra_page;
+      c.extra_random_length = pc.extra_random_length;
+      c.extra_ratio = pc.extra_random_length ? 16 : 4;
+      c.mtp_shared = 0.9;
+      add(c);
+    }
+  }
+
   // Tensor-parallel head counts on the same shapes. FlashMLA runs only 64/128 heads, so an engine
   // pads to 64 and pays the h_q=64 time of the same shape: C1 for C1, C3 for C3 and C4 (C4's
   // shape at h_q=64 is C3). C2's shape at h_q=64 has no FlashMLA row.

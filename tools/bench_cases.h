@@ -17,8 +17,8 @@ const char* op_name(OpKind op);  // "sparse", "dense", "quantize_store", "repack
 
 struct Case {
   std::string name;    // unique, e.g. "sparse/C1/sq2/b128"
-  std::string suite;   // group for selection: model1, model1_peak, tp, v32, dense, dense_tp,
-                       // dense_imb, dense_any, dense_small, kv
+  std::string suite;   // group for selection: model1, model1_mtp, model1_peak, tp, v32, dense,
+                       // dense_tp, dense_imb, dense_any, dense_small, kv
   std::string config;  // series label for plots, e.g. "C1", "C1 h16", "bf16 s_q=1"
   OpKind op = OpKind::kSparseDecode;
   KVFormat format = KVFormat::kModel1;
@@ -35,6 +35,9 @@ struct Case {
   int64_t extra_page_size = 64;
   int64_t extra_ratio = 4;  // extra entries per request = max(context_i / extra_ratio, extra_topk)
   bool extra_random_length = false;  // extra_topk_length[i] ~ U[1, extra_topk], stratified
+  // Query tokens s >= 1 of a request take this fraction of their indices (in each cache) from
+  // token 0's, as overlapping MTP windows would, and draw the rest among the slots token 0 left.
+  double mtp_shared = 0;
   bool sink = true;
 
   // Dense decode: explicit per-request lengths, or `context` for all.

@@ -105,6 +105,40 @@ void distinct_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, int32_t* out,
   }
 }
 
+// k distinct values in [lo, lo + n) of which the first `shared` are first[0, shared) (first is in
+// random order, so that is a random subset of it); the others avoid all of first where the range
+// leaves room, else only each other. Returned in random order.
+void shared_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, const int32_t* first,
+                   int64_t shared, int32_t* out, std::vector<char>& taken) {
+  taken.assign(static_cast<size_t>(n), 0);
+  const bool avoid_first = n - k >= k - shared;
+  for (int64_t i = 0; i < k; ++i) {
+    if (i < shared || avoid_first) taken[static_cast<size_t>(first[i] - lo)] = 1;
+  }
+  std::copy(first, first + shared, out);
+  for (int64_t i = shared; i < k;) {
+    const int64_t v = rng.below(n);
+    if (taken[static_cast<size_t>(v)]) continue;
+    taken[static_cast<size_t>(v)] = 1;
+    out[i++] = static_cast<int32_t>(lo + v);
+  }
+  for (int64_t i = k - 1; i > 0; --i) std::swap(out[i], out[rng.between(0, i)]);
+}
+
+// Indices of request i's query tokens into `list` (s_q lists of k): token 0 draws k distinct slots
+// of [lo, lo + n); later tokens share c.mtp_shared of token 0's, if any.
+void sample_request(const Case& c, Rng& rng, int64_t lo, int64_t n, int64_t k, int64_t s_q,
+                    int32_t* list, std::vector<int64_t>& scratch, std::vector<char>& taken) {
+  const auto shared = static_cast<int64_t>(std::llround(c.mtp_shared * static_cast<double>(k)));
+  for (int64_t s = 0; s < s_q; ++s) {
+    if (s > 0 && shared > 0) {
+      shared_sample(rng, lo, n, k, list, shared, list + s * k, taken);
+    } else {
+      distinct_sample(rng, lo, n, k, list + s * k, scratch);
+    }
+  }
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 double cache_row_bytes(KVFormat f, int64_t h_kv) {
@@ -139,11 +173,10 @@ Status build_sparse(const Case& c, Inputs* in, const std::function<void(double)>
   in->indices = ref::make_tensor(DType::kInt32, {b, s_q, c.topk});
   auto* idx = static_cast<int32_t*>(in->indices.data());
   std::vector<int64_t> scratch;
+  std::vector<char> taken;
   for (int64_t i = 0; i < b; ++i) {
-    for (int64_t s = 0; s < s_q; ++s) {
-      distinct_sample(rng, page0[i] * c.page_size, ctx[i], c.topk, idx + (i * s_q + s) * c.topk,
-                      scratch);
-    }
+    sample_request(c, rng, page0[i] * c.page_size, ctx[i], c.topk, s_q, idx + i * s_q * c.topk,
+                   scratch, taken);
   }
   std::vector<int64_t> extra_entries;
   if (c.extra_topk > 0) {
@@ -160,10 +193,8 @@ Status build_sparse(const Case& c, Inputs* in, const std::function<void(double)>
     in->extra_indices = ref::make_tensor(DType::kInt32, {b, s_q, c.extra_topk});
     auto* eidx = static_cast<int32_t*>(in->extra_indices.data());
     for (int64_t i = 0; i < b; ++i) {
-      for (int64_t s = 0; s < s_q; ++s) {
-        distinct_sample(rng, epage0[i] * c.extra_page_size, extra_entries[i], c.extra_topk,
-                        eidx + (i * s_q + s) * c.extra_topk, scratch);
-      }
+      sample_request(c, rng, epage0[i] * c.extra_page_size, extra_entries[i], c.extra_topk, s_q,
+                     eidx + i * s_q * c.extra_topk, scratch, taken);
     }
     if (c.extra_random_length) {
       in->extra_topk_length = ref::make_tensor(DType::kInt32, {b});
