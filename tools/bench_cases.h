@@ -36,7 +36,8 @@ struct Case {
   int64_t extra_ratio = 4;  // extra entries per request = max(context_i / extra_ratio, extra_topk)
   bool extra_random_length = false;  // extra_topk_length[i] ~ U[1, extra_topk], stratified
   // Query tokens s >= 1 of a request take this fraction of their indices (in each cache) from
-  // token 0's, as overlapping MTP windows would, and draw the rest among the slots token 0 left.
+  // token 0's, as overlapping MTP windows would, and draw the rest from the slots token 0 did
+  // not take (where there are enough of them).
   double mtp_shared = 0;
   bool sink = true;
 
