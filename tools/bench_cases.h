@@ -26,7 +26,8 @@ struct Case {
   uint64_t seed = 1;
 
   // Sparse decode. Request i owns context_i ~ context * U[1 - jitter, 1 + jitter] tokens of the
-  // main cache; its indices are distinct random slots among them (each query token drawn anew).
+  // main cache; its indices are distinct random slots among them (each query token drawn anew,
+  // but for the share that mtp_shared keeps).
   int64_t context = 16384;
   double context_jitter = 0.25;
   int64_t topk = 128;

@@ -223,8 +223,9 @@ struct Sm90Cta {
   // SPARSE_MLA_SM90_TMA=0).
   const CUtensorMap* kv_map;
   // L2 policy of the KV row loads (TMA boxes, bulk copies, V32 row loads): evict first where
-  // this CTA is their only reader. The cp.async paths keep the default: ptxas 13.0 faulted with
-  // cp.async under this policy (sm90_notes.md, variant 84).
+  // this CTA is their only reader. The cp.async paths keep the default: cp.async under this
+  // policy, built by ptxas 13.0, stopped the portable kernel with an illegal instruction on the
+  // H200 (sm90_notes.md, variant 84).
   uint64_t kv_policy;
 
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
