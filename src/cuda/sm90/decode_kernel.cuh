@@ -357,12 +357,12 @@ struct Sm90Cta {
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;
     cur.init(p, end);
+    // The first pair's Q goes out before the first indices, so that the two loads overlap.
+    if (cur.valid(p)) load_q(cur, tid);
     // The rows of the current batch. The next batch's indices are loaded at the batch's first
     // tile, once its rows' loads are out, and resolved at its last tile, whose V32 L2 prefetch
     // takes the next batch's first rows. 16-bit dense pages also keep the pages (raw values) for
     // their TMA boxes.
-    // The first pair's Q goes out before the first indices, so that the two loads overlap.
-    if (cur.valid(p)) load_q(cur, tid);
     TileCursor<kT> ahead = cur;
     PendingToken pending = load_batch(ahead, end, lane, tok);
     int batch_raw = pending.raw;
@@ -410,7 +410,7 @@ struct Sm90Cta {
         }
       }
 
-      if (cur.first() && it > 0) {
+      if (cur.first() && it > 0) {  // the first pair's Q went out before the loop
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
         load_q(cur, tid);
       }
@@ -632,7 +632,7 @@ struct Sm90Cta {
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
       const int rs = it % Cfg::kRawStages;
-      if (cur.first() && it > 0) {
+      if (cur.first() && it > 0) {  // the first pair's Q went out before the loop
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
         load_q(cur, tid);
       }
