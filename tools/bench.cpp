@@ -93,6 +93,16 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+// The filter as a file-name tag: a removed term ("-dense_any") reads "not-dense-any", so that the
+// name does not list suites the run left out.
+std::string filter_tag(const std::string& filter) {
+  std::string tag;
+  for (const std::string& term : split(filter, ',')) {
+    tag += (tag.empty() ? "" : "-") + (term[0] == '-' ? "not-" + slug(term.substr(1)) : slug(term));
+  }
+  return tag.empty() ? "x" : tag;
+}
+
 bool parse_number(const char* s, double* v) {
   char* end = nullptr;
   *v = std::strtod(s, &end);
@@ -459,8 +469,8 @@ int bench_command(int argc, char** argv) {
   info.commit = git_commit();
   info.command = command_line(argc, argv);
   info.host = host_name();
-  info.suite = cfg.quick ? (cfg.filter.empty() ? "quick" : "quick-" + slug(cfg.filter))
-                         : (cfg.filter.empty() ? "full" : slug(cfg.filter));
+  info.suite = cfg.quick ? (cfg.filter.empty() ? "quick" : "quick-" + filter_tag(cfg.filter))
+                         : (cfg.filter.empty() ? "full" : filter_tag(cfg.filter));
   info.verify = cfg.verify == VerifyMode::kSample ? "sample"
                 : cfg.verify == VerifyMode::kFull ? "full"
                                                   : "off";
