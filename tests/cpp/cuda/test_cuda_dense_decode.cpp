@@ -233,6 +233,34 @@ TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
   }
 }
 
+// 16-bit pages of whole tiles (64 and 256 tokens), which the Hopper kernel loads by TMA: absent
+// pages under full tiles, a partial last tile and a request with no page left read nothing and
+// give zeros where no token is left.
+TEST(CudaDenseDecodeCorners, AbsentPagesUnderFullTiles) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t page_size : {64, 256}) {
+    ref::DenseCaseConfig cfg = base(KVFormat::kBF16, 3, 1, 16, 1, page_size, {700, 130, 300});
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed) +
+                 " page_size=" + std::to_string(page_size));
+    ref::DenseCase c = ref::make_dense_case(cfg);
+    const int64_t num_pages = c.kv.config().num_pages;
+    c.block_table.set({0, 1}, -1);
+    c.block_table.set({1, 0}, static_cast<double>(num_pages));
+    if (page_size == 64) {
+      c.block_table.set({1, 1}, -1);
+      c.block_table.set({1, 2}, static_cast<double>(num_pages + 3));
+    }
+    ref::Rng rng(cfg.seed + 1);
+    c.refresh_cache(rng);
+    check_case(c);
+    for (int64_t h = 0; h < 16; ++h) {
+      EXPECT_EQ(c.lse.get({1, h, 0}), kInf);
+      EXPECT_EQ(c.out.get({1, 0, h, 5}), 0.0);
+    }
+  }
+}
+
 TEST(CudaDenseDecodeDeterminism, BitwiseAcrossRuns) {
   SKIP_WITHOUT_GPU();
   ref::DenseCaseConfig cfg = base(KVFormat::kBF16, 3, 2, 64, 1, 64, {3000, 17, 900});
