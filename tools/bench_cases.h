@@ -38,7 +38,8 @@ struct Case {
   bool extra_random_length = false;  // extra_topk_length[i] ~ U[1, extra_topk], stratified
   // Query tokens s >= 1 of a request take this fraction of their indices (in each cache) from
   // token 0's, as overlapping MTP windows would, and draw the rest from the slots token 0 did
-  // not take (where there are enough of them).
+  // not take (where there are enough of them). The share is of the whole lists, in random
+  // places: under extra_topk_length the attended extra entries share less.
   double mtp_shared = 0;
   bool sink = true;
 
