@@ -300,7 +300,7 @@ class ScopedCombineLayout {
 
 // Default choice first, then every layout (warps per row x dims per CTA).
 const char* const kCombineLayouts[] = {nullptr,  "w8d128", "w8d256", "w8d512",
-                                       "w4d512", "w2d512", "w1d512"};
+                                       "w4d512", "w2d512", "w1d512", "w1d512b2r2"};
 
 std::vector<uint8_t> output_bytes(const ref::HostTensor& out, const ref::HostTensor& lse) {
   std::vector<uint8_t> bytes = decode_test::host_bytes(out);

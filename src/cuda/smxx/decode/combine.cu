@@ -2,8 +2,9 @@
 // converts the base-2 lse to natural log and applies the sink once. The grid covers every pair
 // (which pairs are split is only known on the device); CTAs of unsplit pairs exit at once.
 //
-// A CTA owns kRows query rows x kDims output dims of one pair; each row gets kW warps that take
-// interleaved parts (warp g: parts g, g + kW, ...) and are summed in shared memory in warp order.
+// A CTA owns kRows * kRW query rows x kDims output dims of one pair; each row gets kW warps that
+// take interleaved parts (warp g: parts g, g + kW, ...) and are summed in shared memory in warp
+// order.
 // The host picks the layout from the shapes alone (pick_layout): the warps of a row follow the
 // expected split (a few parts each); a long request split into hundreds of parts gets wide
 // layouts, 8 warps a row and down to 128 dims a CTA, spreading it over many SMs with many loads
@@ -36,9 +37,13 @@ struct CombineLayout {
   const char* name;  // for the SPARSE_MLA_COMBINE_LAYOUT test hook
 };
 // Widest first. Fewer than 8 warps a row only with whole rows (kVec 4): those layouts serve
-// many short splits, where splitting dims would only multiply CTAs.
-constexpr CombineLayout kLayouts[] = {{8, 1, "w8d128"}, {8, 2, "w8d256"}, {8, 4, "w8d512"},
-                                      {4, 4, "w4d512"}, {2, 4, "w2d512"}, {1, 4, "w1d512"}};
+// many short splits, where splitting dims would only multiply CTAs. The last one, for pairs
+// split in two at most, loads 2 parts a batch (room for 3 CTAs an SM) and gives each warp 2
+// rows (half the CTAs): H200, MODEL1 b=128 (s_q 1 and 2, h_q 64 and 128), 1-3% faster calls
+// than w1d512 (sm90_notes.md, session 29).
+constexpr CombineLayout kLayouts[] = {{8, 1, "w8d128"},    {8, 2, "w8d256"}, {8, 4, "w8d512"},
+                                      {4, 4, "w4d512"},    {2, 4, "w2d512"}, {1, 4, "w1d512"},
+                                      {1, 4, "w1d512b2r2"}};
 constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
 // Measured on H200 (MODEL1 s_q 2, b 2: a pair split into 11-17 parts): 2-4 warps a row beat 8
 // by 1.5-2 us. Dims are split (several CTAs a row) only while the grid needs at most kMaxWideCtas
@@ -46,24 +51,15 @@ constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
 constexpr double kPartsPerWarp = 2.5;
 constexpr int64_t kMaxWideCtas = 512;
 
-template <bool kFP16, int kW, int kVec>
-__global__ void __launch_bounds__(kCombineThreads, 2)
-    combine_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kRows = kCombineWarps / kW;
+// One row of pair blockIdx.x (split into n = info.nsplit parts), dims block blockIdx.z: kW warps
+// of the CTA, kU parts a batch (kU * kVec float4 loads in flight per lane).
+template <bool kFP16, int kW, int kVec, int kU>
+__device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInfo& info, int row) {
   constexpr int kDims = 128 * kVec;
-  constexpr int kU = 16 / kVec;  // parts per batch: 16 float4 loads in flight per lane
   static_assert(32 % kU == 0, "a batch never straddles a block of 32 weights");
-
-  const PairInfo info = p.pairs[blockIdx.x];
   const int n = info.nsplit;
-  if (n <= 1) return;
-  if (info.slot < 0 || static_cast<int64_t>(info.slot) + n > p.max_slots) return;
-  // The plan was complete before the attention kernel started; its partials are not yet.
-  ptx::wait_primary_grids();
-
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = warp % kW;
-  const int row = blockIdx.y * kRows + warp / kW;
   const bool live = row < p.rows_per_pair;
   // This warp's parts: g + kW * j for j < cnt.
   const int cnt = live && n > g ? (n - g + kW - 1) / kW : 0;
@@ -218,9 +214,30 @@ __global__ void __launch_bounds__(kCombineThreads, 2)
   }
 }
 
-template <bool kFP16, int kW, int kVec>
-cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params, cudaStream_t stream) {
+// kRW rows a warp, one after the other. A combine's time is mostly waves of CTAs waiting on
+// their loads: on the H200 it grows with the number of CTAs, and batches of 8 loads a lane leave
+// room for 3 CTAs an SM.
+template <bool kFP16, int kW, int kVec, int kU, int kRW>
+__global__ void __launch_bounds__(kCombineThreads, kU* kVec <= 8 ? 3 : 2)
+    combine_kernel(const __grid_constant__ DecodeParams p) {
+  static_assert(kW == 1 || kRW == 1, "several rows a warp only without shared-memory sums");
   constexpr int kRows = kCombineWarps / kW;
+  const PairInfo info = p.pairs[blockIdx.x];
+  const int n = info.nsplit;
+  if (n <= 1) return;
+  if (info.slot < 0 || static_cast<int64_t>(info.slot) + n > p.max_slots) return;
+  // The plan was complete before the attention kernel started; its partials are not yet.
+  ptx::wait_primary_grids();
+  const int warp = threadIdx.x >> 5;
+  for (int rw = 0; rw < kRW; ++rw) {
+    combine_row<kFP16, kW, kVec, kU>(p, info, (blockIdx.y * kRW + rw) * kRows + warp / kW);
+  }
+}
+
+template <bool kFP16, int kW, int kVec, int kU, int kRW = 1>
+cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params,
+                          cudaStream_t stream) {
+  constexpr int kRows = kCombineWarps / kW * kRW;
   const dim3 grid(static_cast<unsigned>(shape.num_pairs),
                   static_cast<unsigned>((shape.rows_per_pair + kRows - 1) / kRows),
                   static_cast<unsigned>(4 / kVec));
@@ -235,19 +252,21 @@ cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params, 
   config.stream = stream;
   config.attrs = &attr;
   config.numAttrs = shape.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kW, kVec>, params);
+  return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kW, kVec, kU, kRW>, params);
 }
 
 template <bool kFP16>
 cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
                 cudaStream_t stream) {
   switch (layout) {
-    case 0: return launch_layout<kFP16, 8, 1>(shape, params, stream);
-    case 1: return launch_layout<kFP16, 8, 2>(shape, params, stream);
-    case 2: return launch_layout<kFP16, 8, 4>(shape, params, stream);
-    case 3: return launch_layout<kFP16, 4, 4>(shape, params, stream);
-    case 4: return launch_layout<kFP16, 2, 4>(shape, params, stream);
-    default: return launch_layout<kFP16, 1, 4>(shape, params, stream);
+    case 0: return launch_layout<kFP16, 8, 1, 16>(shape, params, stream);
+    case 1: return launch_layout<kFP16, 8, 2, 8>(shape, params, stream);
+    case 2: return launch_layout<kFP16, 8, 4, 4>(shape, params, stream);
+    case 3: return launch_layout<kFP16, 4, 4, 4>(shape, params, stream);
+    case 4: return launch_layout<kFP16, 2, 4, 4>(shape, params, stream);
+    case 5: return launch_layout<kFP16, 1, 4, 4>(shape, params, stream);
+    default:
+      return launch_layout<kFP16, 1, 4, 2, 2>(shape, params, stream);
   }
 }
 
@@ -255,7 +274,8 @@ cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams&
 // kPartsPerWarp parts of the expected split (more warps only add a shared-memory reduction);
 // with 8 warps a row, the widest layout whose grid stays within kMaxWideCtas.
 int pick_layout(const DecodeShape& shape) {
-  // Test hook: SPARSE_MLA_COMBINE_LAYOUT=w8d128|w8d256|w8d512|w4d512|w2d512|w1d512 forces one.
+  // Test hook: SPARSE_MLA_COMBINE_LAYOUT=w8d128|w8d256|w8d512|w4d512|w2d512|w1d512|w1d512b2r2
+  // forces one.
   if (const char* env = std::getenv("SPARSE_MLA_COMBINE_LAYOUT")) {
     for (int c = 0; c < kNumLayouts; ++c) {
       if (std::strcmp(env, kLayouts[c].name) == 0) return c;
@@ -264,7 +284,10 @@ int pick_layout(const DecodeShape& shape) {
   const double parts_per_pair = static_cast<double>(shape.busy_parts) / shape.num_pairs;
   int warps = 1;
   while (warps < 8 && parts_per_pair >= 2 * warps * kPartsPerWarp) warps *= 2;
-  for (int c = 0; c < kNumLayouts - 1; ++c) {
+  // One warp a row: batches of 2 parts where a pair rarely spans more (parts no shorter than
+  // the average pair), else 4.
+  if (warps == 1) return parts_per_pair <= 1.0 ? kNumLayouts - 1 : kNumLayouts - 2;
+  for (int c = 0; c < kNumLayouts - 2; ++c) {
     const CombineLayout& l = kLayouts[c];
     if (l.warps_per_row != warps) continue;
     const int64_t rows = kCombineWarps / l.warps_per_row;
@@ -272,7 +295,7 @@ int pick_layout(const DecodeShape& shape) {
                          ((shape.rows_per_pair + rows - 1) / rows) * (4 / l.vec);
     if (ctas <= kMaxWideCtas || l.vec == 4) return c;
   }
-  return kNumLayouts - 1;
+  return kNumLayouts - 2;
 }
 
 }  // namespace
