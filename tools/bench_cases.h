@@ -36,10 +36,10 @@ struct Case {
   int64_t extra_page_size = 64;
   int64_t extra_ratio = 4;  // extra entries per request = max(context_i / extra_ratio, extra_topk)
   bool extra_random_length = false;  // extra_topk_length[i] ~ U[1, extra_topk], stratified
-  // Query tokens s >= 1 of a request take this fraction of their indices (in each cache) from
-  // token 0's, as overlapping MTP windows would, and draw the rest from the slots token 0 did
-  // not take (where there are enough of them). The share is of the whole lists, in random
-  // places: under extra_topk_length the attended extra entries share less.
+  // Query tokens s >= 1 of a request keep this fraction of token 0's indices (in each cache) in
+  // their places, as overlapping MTP windows would, and give the other places, chosen at random,
+  // slots token 0 did not take (where there are enough of them): every prefix of the lists, so
+  // the part that extra_topk_length leaves attended too, shares that fraction.
   double mtp_shared = 0;
   bool sink = true;
 

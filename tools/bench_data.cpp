@@ -105,24 +105,32 @@ void distinct_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, int32_t* out,
   }
 }
 
-// k distinct values in [lo, lo + n) of which the first `shared` are first[0, shared) (first is in
-// random order, so that is a random subset of it); the others avoid all of first where the range
-// leaves room, else only each other. Returned in random order.
-void shared_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, const int32_t* first,
-                   int64_t shared, int32_t* out, std::vector<char>& taken) {
-  taken.assign(static_cast<size_t>(n), 0);
-  const bool avoid_first = n - k >= k - shared;
-  for (int64_t i = 0; i < k; ++i) {
-    if (i < shared || avoid_first) taken[static_cast<size_t>(first[i] - lo)] = 1;
+// k distinct values in [lo, lo + n): first[0, k) with k - shared of its places, chosen at random,
+// given new values, so that every prefix of the list (what a length limit leaves attended)
+// shares ~shared / k of first's prefix of the same length. The new values avoid all of first
+// where the range leaves room, else only the values kept.
+void shared_sample(Rng& rng, int64_t lo, int64_t n, int64_t k, const int32_t* first, int64_t shared,
+                   int32_t* out, std::vector<int64_t>& places, std::vector<char>& taken) {
+  std::copy(first, first + k, out);
+  places.resize(static_cast<size_t>(k));
+  std::iota(places.begin(), places.end(), 0);
+  const int64_t fresh = k - shared;
+  for (int64_t i = 0; i < fresh; ++i) {
+    std::swap(places[static_cast<size_t>(i)], places[static_cast<size_t>(rng.between(i, k - 1))]);
   }
-  std::copy(first, first + shared, out);
-  for (int64_t i = shared; i < k;) {
+  taken.assign(static_cast<size_t>(n), 0);
+  for (int64_t i = 0; i < k; ++i) taken[static_cast<size_t>(first[i] - lo)] = 1;
+  if (n - k < fresh) {  // too few slots outside first: only the kept values are off limits
+    for (int64_t i = 0; i < fresh; ++i) {
+      taken[static_cast<size_t>(first[places[static_cast<size_t>(i)]] - lo)] = 0;
+    }
+  }
+  for (int64_t i = 0; i < fresh;) {
     const int64_t v = rng.below(n);
     if (taken[static_cast<size_t>(v)]) continue;
     taken[static_cast<size_t>(v)] = 1;
-    out[i++] = static_cast<int32_t>(lo + v);
+    out[places[static_cast<size_t>(i++)]] = static_cast<int32_t>(lo + v);
   }
-  for (int64_t i = k - 1; i > 0; --i) std::swap(out[i], out[rng.between(0, i)]);
 }
 
 // Indices of request i's query tokens into `list` (s_q lists of k): token 0 draws k distinct slots
@@ -132,7 +140,7 @@ void sample_request(const Case& c, Rng& rng, int64_t lo, int64_t n, int64_t k, i
   const auto shared = static_cast<int64_t>(std::llround(c.mtp_shared * static_cast<double>(k)));
   for (int64_t s = 0; s < s_q; ++s) {
     if (s > 0 && shared > 0) {
-      shared_sample(rng, lo, n, k, list, shared, list + s * k, taken);
+      shared_sample(rng, lo, n, k, list, shared, list + s * k, scratch, taken);
     } else {
       distinct_sample(rng, lo, n, k, list + s * k, scratch);
     }
