@@ -214,11 +214,13 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   }
 }
 
+// CTAs an SM that batches of kU parts x kVec float4 loads a lane leave room for (registers).
+constexpr int combine_ctas_per_sm(int parts, int vec) { return parts * vec <= 8 ? 3 : 2; }
+
 // kRW rows a warp, one after the other. A combine's time is mostly waves of CTAs waiting on
-// their loads: on the H200 it grows with the number of CTAs, and batches of 8 loads a lane leave
-// room for 3 CTAs an SM.
+// their loads: on the H200 it grows with the number of CTAs.
 template <bool kFP16, int kW, int kVec, int kU, int kRW>
-__global__ void __launch_bounds__(kCombineThreads, kU* kVec <= 8 ? 3 : 2)
+__global__ void __launch_bounds__(kCombineThreads, combine_ctas_per_sm(kU, kVec))
     combine_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(kW == 1 || kRW == 1, "several rows a warp only without shared-memory sums");
   constexpr int kRows = kCombineWarps / kW;
