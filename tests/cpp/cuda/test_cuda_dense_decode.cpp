@@ -206,6 +206,18 @@ TEST_P(CudaDenseDecode, MatchesReferenceAndCpu) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaDenseDecode, ::testing::ValuesIn(dense_params()),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Block-table entries to point elsewhere (absent pages, ids outside the cache), after which the
+// cache is drawn again: rows of the pages still referenced random, the rest NaN.
+struct TableEntry {
+  int64_t request, page;
+  double id;
+};
+void relink_pages(ref::DenseCase& c, uint64_t seed, const std::vector<TableEntry>& entries) {
+  for (const TableEntry& e : entries) c.block_table.set({e.request, e.page}, e.id);
+  ref::Rng rng(seed + 1);
+  c.refresh_cache(rng);
+}
+
 // Block-table entries outside [0, num_pages) make their tokens absent and are never read;
 // requests with no token left give out 0 and lse +inf.
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
@@ -215,14 +227,13 @@ TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
     cfg.seed = test_seed();
     SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
     ref::DenseCase c = ref::make_dense_case(cfg);
-    const int64_t num_pages = c.kv.config().num_pages;
-    c.block_table.set({0, 1}, -1);
-    c.block_table.set({0, 3}, static_cast<double>(num_pages));
-    c.block_table.set({0, 4}, 2147483647.0);
-    c.block_table.set({1, 0}, -2147483648.0);
-    c.block_table.set({1, 1}, static_cast<double>(num_pages + 7));
-    ref::Rng rng(cfg.seed + 1);
-    c.refresh_cache(rng);
+    const auto num_pages = static_cast<double>(c.kv.config().num_pages);
+    relink_pages(c, cfg.seed,
+                 {{0, 1, -1},
+                  {0, 3, num_pages},
+                  {0, 4, 2147483647.0},
+                  {1, 0, -2147483648.0},
+                  {1, 1, num_pages + 7}});
     check_case(c);
     for (int64_t s = 0; s < 2; ++s) {
       for (int64_t h = 0; h < 16; ++h) {
@@ -244,15 +255,10 @@ TEST(CudaDenseDecodeCorners, AbsentPagesUnderFullTiles) {
     SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed) +
                  " page_size=" + std::to_string(page_size));
     ref::DenseCase c = ref::make_dense_case(cfg);
-    const int64_t num_pages = c.kv.config().num_pages;
-    c.block_table.set({0, 1}, -1);
-    c.block_table.set({1, 0}, static_cast<double>(num_pages));
-    if (page_size == 64) {
-      c.block_table.set({1, 1}, -1);
-      c.block_table.set({1, 2}, static_cast<double>(num_pages + 3));
-    }
-    ref::Rng rng(cfg.seed + 1);
-    c.refresh_cache(rng);
+    const auto num_pages = static_cast<double>(c.kv.config().num_pages);
+    std::vector<TableEntry> entries = {{0, 1, -1}, {1, 0, num_pages}};
+    if (page_size == 64) entries.insert(entries.end(), {{1, 1, -1}, {1, 2, num_pages + 3}});
+    relink_pages(c, cfg.seed, entries);
     check_case(c);
     for (int64_t h = 0; h < 16; ++h) {
       EXPECT_EQ(c.lse.get({1, h, 0}), kInf);
@@ -327,13 +333,11 @@ TEST(CudaDenseDecodeCombine, ImbalancedBatchEveryLayoutDeterministic) {
                    " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
       ref::DenseCase c = ref::make_dense_case(cfg);
       if (holes) {
-        const int64_t num_pages = c.kv.config().num_pages;
-        for (int64_t pg = 0; pg < 28; ++pg) c.block_table.set({2, pg}, -1);
-        for (int64_t pg = 100; pg < 150; ++pg) {
-          c.block_table.set({1, pg}, static_cast<double>(num_pages + pg));
-        }
-        ref::Rng rng(cfg.seed + 1);
-        c.refresh_cache(rng);
+        const auto num_pages = static_cast<double>(c.kv.config().num_pages);
+        std::vector<TableEntry> entries;
+        for (int64_t pg = 0; pg < 28; ++pg) entries.push_back({2, pg, -1});
+        for (int64_t pg = 100; pg < 150; ++pg) entries.push_back({1, pg, num_pages + pg});
+        relink_pages(c, cfg.seed, entries);
       }
       const ref::RefOutput r = ref::dense_decode_reference(c.args());
       Stream stream;
