@@ -44,6 +44,7 @@ struct DecodeShape {
   int overhead_tiles = 0;  // planner cost line, in tiles of the kernel (kOverheadTokens or
                            // kSm90OverheadTiles)
   int min_tiles_per_part = 0;  // (kMinTokensPerPart)
+  int snap_slack_tiles = 0;    // (kSnapSlackTiles)
   bool dependent_launch = false;  // combine as a programmatic dependent launch (sm_90+)
   int max_slots = 0;
   PlanLayout plan;
@@ -68,6 +69,11 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 inline constexpr int kOverheadTokens = 64;
 inline constexpr int kSm90OverheadTiles = 2;
 inline constexpr int kMinTokensPerPart = 64;
+// What the combine of split pairs costs, in tiles of a part: the planner moves part starts to
+// pair ends (no pair split, nothing to combine) where that lengthens the longest part by at most
+// this much. H200: the combine takes 9-14 us of a call with split pairs at b >= 64
+// (sm90_notes.md, probe 94), 4-6 tiles of a Hopper CTA at h_q 128.
+inline constexpr int kSnapSlackTiles = 4;
 
 // The attention kernel's grid: a part a CTA along x, the row blocks of every group along y.
 inline dim3 decode_grid(const DecodeShape& shape) {

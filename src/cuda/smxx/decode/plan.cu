@@ -13,6 +13,8 @@ namespace sparse_mla::cuda::smxx::decode {
 namespace {
 
 constexpr int kPlanThreads = 1024;
+// Parts the planner may snap to pair ends (its shared arrays); more parts keep the cut starts.
+constexpr int kMaxSnapParts = 1024;
 
 // Exclusive prefix sum over the CTA; *total gets the sum of all values. Every thread must call.
 __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
@@ -40,6 +42,20 @@ __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
   *total = warp_sums[kPlanThreads / 32 - 1];
   __syncthreads();  // warp_sums is reused by the next call
   return before + x - v;
+}
+
+// Largest v over the CTA. Every thread must call.
+__device__ int64_t block_max(int64_t v) {
+  __shared__ int64_t warp_max[kPlanThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, d));
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  int64_t m = warp_max[0];
+  for (int w = 1; w < kPlanThreads / 32; ++w) m = max(m, warp_max[w]);
+  __syncthreads();  // warp_max is reused by the next call
+  return m;
 }
 
 __device__ __forceinline__ int clamp_len(int64_t v, int64_t hi) {
@@ -88,10 +104,19 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
   if (q < 1) q = 1;
   __syncthreads();  // pairs[] written above is read by other threads below
 
-  // 2. First tile of every part (and the end sentinel): the first tile at cost >= g * q.
-  for (int g = tid; g <= p.num_parts; g += kPlanThreads) {
+  // 2. Part starts. Cut: the first tile at cost >= g * q, which splits the pair it falls in.
+  // Snapped: that pair's start or end instead, whichever is nearer, so that no pair splits. The
+  // snapped starts are taken when their longest part is at most snap_slack_tiles longer than the
+  // cut's (the combine that the splits need costs about that much), and G fits the arrays.
+  __shared__ int64_t
+      pos[2][kMaxSnapParts + 1];  // cost position of each start: [0] cut, [1] snapped
+  __shared__ int32_t start_pair[2][kMaxSnapParts + 1], start_tile[2][kMaxSnapParts + 1];
+  const bool may_snap = G <= kMaxSnapParts && p.snap_slack_tiles >= 0;
+  int64_t longest[2] = {0, 0};
+  for (int g = tid; g <= G; g += kPlanThreads) {
     const int64_t target = g * q;
-    PartStart ps{p.num_pairs, 0, 0, 0};
+    int64_t at[2] = {C, C};
+    int pr[2] = {p.num_pairs, p.num_pairs}, tile[2] = {0, 0};
     if (target < C) {
       // Smallest pair whose end on the cost line lies past target.
       int lo = 0, hi = p.num_pairs - 1;
@@ -104,13 +129,67 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
           lo = mid + 1;
         }
       }
-      const int64_t k = target - p.pairs[lo].cost_begin - ovh;
-      ps = PartStart{lo, static_cast<int>(k > 0 ? k : 0), p.pairs[lo].n_main, p.pairs[lo].len};
+      const PairInfo& m = p.pairs[lo];
+      const int64_t k = target - m.cost_begin - ovh;
+      const int64_t end = m.cost_begin + ovh + pair_tiles(m.len, T);
+      pr[0] = pr[1] = lo;
+      at[0] = at[1] = m.cost_begin;
+      if (k > 0) {
+        tile[0] = static_cast<int>(k);
+        at[0] = m.cost_begin + ovh + k;
+        if (end - target < target - m.cost_begin) {
+          pr[1] = lo + 1;
+          at[1] = end;
+        }
+      }
     }
-    p.parts[g] = ps;
+    if (!may_snap) {
+      p.parts[g] = pr[0] < p.num_pairs
+                       ? PartStart{pr[0], tile[0], p.pairs[pr[0]].n_main, p.pairs[pr[0]].len}
+                       : PartStart{p.num_pairs, 0, 0, 0};
+      continue;
+    }
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      pos[v][g] = at[v];
+      start_pair[v][g] = pr[v];
+      start_tile[v][g] = tile[v];
+    }
+  }
+  if (may_snap) {
+    __syncthreads();
+    for (int g = tid; g < G; g += kPlanThreads) {
+#pragma unroll
+      for (int v = 0; v < 2; ++v) longest[v] = max(longest[v], pos[v][g + 1] - pos[v][g]);
+    }
+    const bool snap = block_max(longest[1]) <= block_max(longest[0]) + p.snap_slack_tiles;
+    const int v = snap ? 1 : 0;
+    for (int g = tid; g <= G; g += kPlanThreads) {
+      const int pr = start_pair[v][g];
+      p.parts[g] = pr < p.num_pairs
+                       ? PartStart{pr, start_tile[v][g], p.pairs[pr].n_main, p.pairs[pr].len}
+                       : PartStart{p.num_pairs, 0, 0, 0};
+      if (v == 1) pos[0][g] = pos[1][g];  // step 3 reads the chosen starts from pos[0]
+    }
+    __syncthreads();
   }
 
-  // 3. Which parts touch each pair, and partial slots for the split ones.
+  // 3. Which parts touch each pair, and partial slots for the split ones. A tile at cost x
+  // belongs to the last part whose start is at or before x (parts without tiles share their
+  // start with the next one).
+  auto part_of = [&](int64_t x) {
+    if (!may_snap) return static_cast<int>(x / q);
+    int lo = 0, hi = static_cast<int>(G) - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (pos[0][mid] <= x) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  };
   carry = 0;
   for (int base = 0; base < p.num_pairs; base += kPlanThreads) {
     const int pr = base + tid;
@@ -119,8 +198,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
     if (pr < p.num_pairs) {
       const PairInfo& info = p.pairs[pr];
       const int64_t c0 = info.cost_begin + ovh;
-      first = static_cast<int>(c0 / q);
-      nsplit = static_cast<int>((c0 + pair_tiles(info.len, T) - 1) / q) - first + 1;
+      first = part_of(c0);
+      nsplit = part_of(c0 + pair_tiles(info.len, T) - 1) - first + 1;
       need = nsplit > 1 ? nsplit : 0;
     }
     int64_t total;
