@@ -125,10 +125,10 @@ __device__ __forceinline__ uint32_t sw_off(int row, int chunk, int rows) {
 
 #if SPARSE_MLA_SM90_DEVICE
 
-// A pair's request i and query token sq (dense: the request, sq 0).
-__device__ __forceinline__ void pair_coords(const DecodeParams& p, int pr, int* i, int* sq) {
-  *i = p.dense ? pr : pr / p.s_q;
-  *sq = p.dense ? 0 : pr - *i * p.s_q;
+// Pair id's request i and query token sq (dense: the request, sq 0).
+__device__ __forceinline__ void pair_coords(const DecodeParams& p, int id, int* i, int* sq) {
+  *i = p.dense ? id : id / p.s_q;
+  *sq = p.dense ? 0 : id - *i * p.s_q;
 }
 
 // Walks the tiles of one part in order, as the portable kernel does: pairs from the part's
@@ -138,15 +138,15 @@ template <int kT>
 struct TileCursor {
   // A part start that no pair is the first of, so that every pair's lengths come from pairs[]
   // (INT_MAX: enter() only asks for pairs below num_pairs).
-  static constexpr PartStart kPastBegin{INT_MAX, 0, 0, 0};
+  static constexpr PartStart kPastBegin{INT_MAX, 0, 0, 0, 0, {}};
 
-  int pr;   // pair; num_pairs when done
+  int pr;   // place of the pair on the cost line; num_pairs when done
   int k;    // tile within the pair
   int k0;   // first tile of the pair in this part
   int k1;   // end tile of the pair in this part
   int seg;  // pairs entered before this one
   int n_main, len;  // of the pair (PairInfo)
-  int i, sq;        // its request and query token
+  int id;           // the pair (pair_coords: its request and query token)
 
   __device__ bool valid(const DecodeParams& p) const { return pr < p.num_pairs; }
   __device__ bool first() const { return k == k0; }
@@ -168,7 +168,7 @@ struct TileCursor {
         k = k0 = kt;
         n_main = info.n_main;
         len = info.len;
-        pair_coords(p, pr, &i, &sq);
+        id = info.id;
         return;
       }
       ++pr;
@@ -181,7 +181,7 @@ struct TileCursor {
     const PartStart begin = p.parts[blockIdx.x];
     pr = begin.pair;
     // A part with no tile leaves the tile fields unset in enter(), but batches read them.
-    k = k0 = k1 = seg = n_main = len = i = sq = 0;
+    k = k0 = k1 = seg = n_main = len = id = 0;
     enter(p, end, begin.tile, begin);
   }
 
@@ -291,10 +291,8 @@ struct Sm90Cta {
     PendingToken t{-1, 0};
     if (lane < kBatchTiles * Cfg::kTokensPerWarp) {
       const int pos = mine.k * kT + tok;
-      // The pair's request and query token from pr, so that the walked cursors' copies of them
-      // need not stay live in the producers' registers.
       int i, sq;
-      pair_coords(p, mine.pr, &i, &sq);
+      pair_coords(p, mine.id, &i, &sq);
       if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
       t.pos = !p.dense && pos >= mine.n_main ? pos | INT_MIN : pos;
     }
@@ -329,7 +327,7 @@ struct Sm90Cta {
 
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
     int i, sq;
-    pair_coords(p, c.pr, &i, &sq);
+    pair_coords(p, c.id, &i, &sq);
     // Not unrolled: the unrolled copies' addresses and predicates spilled in the producers'
     // registers.
 #pragma unroll 1
@@ -865,7 +863,7 @@ struct Sm90Cta {
     }
     const PairInfo info = p.pairs[cur.pr];
     int i, sq;
-    pair_coords(p, cur.pr, &i, &sq);
+    pair_coords(p, cur.id, &i, &sq);
     if (info.nsplit <= 1) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -1082,7 +1080,7 @@ struct Sm90Cta {
     float* factors = exch(kFactor);
     const PairInfo info = p.pairs[cur.pr];
     int i, sq;
-    pair_coords(p, cur.pr, &i, &sq);
+    pair_coords(p, cur.id, &i, &sq);
     const bool split = info.nsplit > 1;
     const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
     const bool slot_ok = slot >= 0 && slot < p.max_slots;

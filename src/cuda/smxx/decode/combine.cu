@@ -51,8 +51,9 @@ constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
 constexpr double kPartsPerWarp = 2.5;
 constexpr int64_t kMaxWideCtas = 512;
 
-// One row of pair blockIdx.x (split into n = info.nsplit parts), dims block blockIdx.z: kW warps
-// of the CTA, kU parts a batch (kU * kVec float4 loads in flight per lane).
+// One row of the pair at place blockIdx.x of the cost line (pair info.id, split into n =
+// info.nsplit parts), dims block blockIdx.z: kW warps of the CTA, kU parts a batch (kU * kVec
+// float4 loads in flight per lane).
 template <bool kFP16, int kW, int kVec, int kU>
 __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInfo& info, int row) {
   constexpr int kDims = 128 * kVec;
@@ -178,13 +179,13 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
 
   int i, s, head;
   if (p.dense) {
-    i = blockIdx.x;
+    i = info.id;
     const int grp = row / p.rows_per_group, lr = row % p.rows_per_group;
     s = lr / p.hpk;
     head = grp * p.hpk + lr % p.hpk;
   } else {
-    i = blockIdx.x / p.s_q;
-    s = blockIdx.x % p.s_q;
+    i = info.id / p.s_q;
+    s = info.id % p.s_q;
     head = row;
   }
 

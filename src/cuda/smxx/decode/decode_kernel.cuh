@@ -58,21 +58,23 @@ __device__ __forceinline__ bool token_visible(Bits vmask, int col, int pos0, con
 }
 
 // A CTA's walk over its part [begin, end) of the cost line, shared by the portable and Hopper
-// kernels: whether the part holds tile `tile` of pair `pr`, and the end of its tiles of pair `pr`.
+// kernels: whether the part holds tile `tile` of the pair at place `pr` of the line, and the end of
+// its tiles of that pair.
 __device__ __forceinline__ bool part_holds(const PartStart& end, int pr, int tile) {
   return pr < end.pair || (pr == end.pair && tile < end.tile);
 }
 __device__ __forceinline__ int part_pair_end(const PartStart& end, int pr, int ntiles) {
   return pr == end.pair ? min(end.tile, ntiles) : ntiles;
 }
-// Pair pr's lengths: the part's first pair takes them from the part table, so that a CTA's first
-// index loads need no pairs[] read.
+// The lengths and index of the pair at place pr: the part's first pair takes them from the part
+// table, so that a CTA's first index loads need no pairs[] read.
 __device__ __forceinline__ PairInfo part_pair_info(const DecodeParams& p, const PartStart& begin,
                                                    int pr) {
   if (pr != begin.pair) return p.pairs[pr];
   PairInfo info{};
   info.n_main = begin.n_main;
   info.len = begin.len;
+  info.id = begin.id;
   return info;
 }
 
@@ -274,10 +276,11 @@ struct DecodeCta {
     }
   }
 
-  // `info` needs only the lengths (n_main, len); the epilogue reads the rest from the plan.
+  // `info` needs only the lengths and index (n_main, len, id); the epilogue reads the rest from
+  // the plan.
   __device__ void segment(int pr, int k0, int k1, const PairInfo& info) {
-    const int i = p.dense ? pr : pr / p.s_q;
-    const int sq = p.dense ? 0 : pr % p.s_q;
+    const int i = p.dense ? info.id : info.id / p.s_q;
+    const int sq = p.dense ? 0 : info.id % p.s_q;
     const int n = k1 - k0;
     if (tid == 0) ptx::prefetch_l2(p.pairs + pr);  // for the epilogue
 

@@ -7,7 +7,10 @@
 // tiles of kT; its cost is kOverhead + max(1, tiles). The planner lays all pairs end to end on one
 // cost line and cuts it into num_parts equal parts; CTA (part, row block) walks the tiles of its
 // part, so long pairs are split over several CTAs and short ones are packed into one. A pair
-// touched by several parts writes fp32 partials that the combine kernel merges (sink applied there).
+// touched by several parts writes fp32 partials that the combine kernel merges (sink applied
+// there). The line holds the pairs in index order, or, where whole pairs balance the parts and that
+// order does not, in an order of the planner's (pairs[] is then indexed by place on the line, and
+// each entry names its pair).
 #pragma once
 
 #include <cstdint>
@@ -23,14 +26,16 @@ SPARSE_MLA_HD I pair_tiles(I len, I tile) {
   return len > 0 ? (len + tile - 1) / tile : 1;
 }
 
-// Start of a part on the cost line: the first tile it owns (pair, tile within the pair), with
-// that pair's lengths (PairInfo n_main, len), so that a CTA can load its first indices without
-// reading pairs[] first.
+// Start of a part on the cost line: the first tile it owns (place of its pair on the line, tile
+// within the pair), with that pair's lengths and index (PairInfo n_main, len, id), so that a CTA
+// can load its first indices without reading pairs[] first.
 struct alignas(16) PartStart {
   int32_t pair;
   int32_t tile;
   int32_t n_main;
   int32_t len;
+  int32_t id;
+  int32_t pad[3];
 };
 
 struct alignas(16) PairInfo {
@@ -39,11 +44,12 @@ struct alignas(16) PairInfo {
   int32_t first_part;  // part owning the pair's first tile
   int32_t nsplit;      // parts touching the pair; 1 = the kernel writes the final output
   int32_t slot;        // first partial slot of the pair when nsplit > 1
-  int32_t pad;
+  int32_t id;          // the pair (request and query token) at this place of the cost line
   int64_t cost_begin;  // start of the pair on the cost line
 };
 
-// Plan layout in the workspace: parts[num_parts + 1] then pairs[num_pairs].
+// Plan layout in the workspace: parts[num_parts + 1] then pairs[num_pairs] (by place on the cost
+// line).
 struct PlanLayout {
   int64_t parts_offset = 0;
   int64_t pairs_offset = 0;

@@ -15,6 +15,10 @@ namespace {
 constexpr int kPlanThreads = 1024;
 // Parts the planner may snap to pair ends (its shared arrays); more parts keep the cut starts.
 constexpr int kMaxSnapParts = 1024;
+// Pairs the planner may reorder (sort keys in shared memory: cost above, pair index below).
+constexpr int kOrderIdBits = 11;
+constexpr int kMaxOrderPairs = 1 << kOrderIdBits;
+static_assert(kMaxSnapParts <= kPlanThreads && kMaxOrderPairs % kPlanThreads == 0);
 
 // Exclusive prefix sum over the CTA; *total gets the sum of all values. Every thread must call.
 __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
@@ -58,6 +62,97 @@ __device__ int64_t block_max(int64_t v) {
   return m;
 }
 
+// Whole pairs into G parts, balanced in another order: pairs sorted by cost (largest first, then
+// by index) go to the parts in rounds, forward and backward in turn (part 0 to G-1, then G-1 to
+// 0, ...), and each part's pairs are laid out together. Used when no part then costs more than
+// `limit`: writes pairs[] in the new order, parts[], and starts[0..G] (cost positions of the part
+// starts); returns false and writes nothing otherwise. Every thread must call; N <= kMaxOrderPairs,
+// G <= kMaxSnapParts; the pairs' costs were written to pairs[] by this CTA.
+__device__ bool order_pairs_by_cost(const PlanParams& p, int G, int64_t limit, int64_t* starts) {
+  __shared__ uint32_t key[kMaxOrderPairs];
+  const int tid = threadIdx.x, N = p.num_pairs;
+  const int64_t ovh = p.overhead_tiles;
+  constexpr int64_t kMaxKeyCost = int64_t{1} << (32 - kOrderIdBits);
+  int n2 = 1;
+  while (n2 < N) n2 <<= 1;
+  int64_t worst = 0;
+  for (int k = tid; k < n2; k += kPlanThreads) {
+    uint32_t v = 0;  // padding sorts last: every pair costs at least 1
+    if (k < N) {
+      const int64_t c = ovh + pair_tiles(p.pairs[k].len, p.tile_tokens);
+      worst = max(worst, c);
+      if (c < kMaxKeyCost) {
+        v = static_cast<uint32_t>(c) << kOrderIdBits |
+            static_cast<uint32_t>(kMaxOrderPairs - 1 - k);
+      }
+    }
+    key[k] = v;
+  }
+  if (block_max(worst) >= kMaxKeyCost) return false;
+  // Bitonic sort, descending.
+  for (int k = 2; k <= n2; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int a = tid; a < n2; a += kPlanThreads) {
+        const int b = a ^ j;
+        if (b <= a) continue;
+        const uint32_t x = key[a], y = key[b];
+        if ((a & k) == 0 ? x < y : x > y) {
+          key[a] = y;
+          key[b] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  auto cost_at = [&](int r) { return static_cast<int64_t>(key[r] >> kOrderIdBits); };
+  auto pair_at = [&](int r) {
+    return kMaxOrderPairs - 1 - static_cast<int>(key[r] & (kMaxOrderPairs - 1));
+  };
+  // Round rd visits the parts forward when even, backward when odd; the last round is partial.
+  const int R = N / G, rem = N % G;
+  auto rank_of = [&](int g, int rd) { return rd * G + ((rd & 1) ? G - 1 - g : g); };
+  auto count_of = [&](int g) { return R + ((R & 1) ? g >= G - rem : g < rem); };
+  auto first_place = [&](int g) { return g * R + ((R & 1) ? max(0, g - (G - rem)) : min(g, rem)); };
+  int64_t load = 0;
+  if (tid < G) {
+    for (int rd = 0; rd < count_of(tid); ++rd) load += cost_at(rank_of(tid, rd));
+  }
+  if (block_max(load) > limit) return false;
+  int64_t total;
+  const int64_t before = block_exclusive_scan(load, &total);
+  if (tid < G) starts[tid] = before;
+  if (tid == 0) starts[G] = total;
+  __syncthreads();
+  constexpr int kPer = kMaxOrderPairs / kPlanThreads;
+  PairInfo moved[kPer];
+  int place[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int r = tid + u * kPlanThreads;
+    place[u] = -1;
+    if (r >= N) continue;
+    const int rd = r / G, k = r - rd * G;
+    const int g = (rd & 1) ? G - 1 - k : k;
+    moved[u] = p.pairs[pair_at(r)];
+    moved[u].cost_begin = starts[g];
+    for (int e = 0; e < rd; ++e) moved[u].cost_begin += cost_at(rank_of(g, e));
+    place[u] = first_place(g) + rd;
+  }
+  __syncthreads();  // every entry is read before any is overwritten
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    if (place[u] >= 0) p.pairs[place[u]] = moved[u];
+  }
+  __syncthreads();
+  for (int g = tid; g <= G; g += kPlanThreads) {
+    const int at = g < G ? first_place(g) : N;
+    const PairInfo& m = p.pairs[at < N ? at : 0];
+    p.parts[g] =
+        at < N ? PartStart{at, 0, m.n_main, m.len, m.id, {}} : PartStart{N, 0, 0, 0, N, {}};
+  }
+  return true;
+}
+
 __device__ __forceinline__ int clamp_len(int64_t v, int64_t hi) {
   return static_cast<int>(v < 0 ? 0 : (v > hi ? hi : v));
 }
@@ -93,6 +188,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
     const int64_t before = block_exclusive_scan(cost, &total);
     if (pr < p.num_pairs) {
       info.cost_begin = carry + before;
+      info.id = pr;
       p.pairs[pr] = info;
     }
     carry += total;
@@ -107,7 +203,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
   // 2. Part starts. Cut: the first tile at cost >= g * q, which splits the pair it falls in.
   // Snapped: that pair's start or end instead, whichever is nearer, so that no pair splits. The
   // snapped starts are taken when their longest part is at most snap_slack_tiles longer than the
-  // cut's (the combine that the splits need costs about that much), and G fits the arrays.
+  // cut's (the combine that the splits need costs about that much), and G fits the arrays. Else
+  // whole pairs in another order (order_pairs_by_cost), under the same rule.
   __shared__ int64_t
       pos[2][kMaxSnapParts + 1];  // cost position of each start: [0] cut, [1] snapped
   __shared__ int32_t start_pair[2][kMaxSnapParts + 1], start_tile[2][kMaxSnapParts + 1];
@@ -144,9 +241,10 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
       }
     }
     if (!may_snap) {
-      p.parts[g] = pr[0] < p.num_pairs
-                       ? PartStart{pr[0], tile[0], p.pairs[pr[0]].n_main, p.pairs[pr[0]].len}
-                       : PartStart{p.num_pairs, 0, 0, 0};
+      p.parts[g] =
+          pr[0] < p.num_pairs
+              ? PartStart{pr[0], tile[0], p.pairs[pr[0]].n_main, p.pairs[pr[0]].len, pr[0], {}}
+              : PartStart{p.num_pairs, 0, 0, 0, p.num_pairs, {}};
       continue;
     }
 #pragma unroll
@@ -162,14 +260,21 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
 #pragma unroll
       for (int v = 0; v < 2; ++v) longest[v] = max(longest[v], pos[v][g + 1] - pos[v][g]);
     }
-    const bool snap = block_max(longest[1]) <= block_max(longest[0]) + p.snap_slack_tiles;
-    const int v = snap ? 1 : 0;
-    for (int g = tid; g <= G; g += kPlanThreads) {
-      const int pr = start_pair[v][g];
-      p.parts[g] = pr < p.num_pairs
-                       ? PartStart{pr, start_tile[v][g], p.pairs[pr].n_main, p.pairs[pr].len}
-                       : PartStart{p.num_pairs, 0, 0, 0};
-      if (v == 1) pos[0][g] = pos[1][g];  // step 3 reads the chosen starts from pos[0]
+    const int64_t limit = block_max(longest[0]) + p.snap_slack_tiles;
+    const bool snap = block_max(longest[1]) <= limit;
+    // Step 3 reads the chosen starts from pos[0].
+    const bool ordered = !snap && p.num_pairs > 0 && p.num_pairs <= kMaxOrderPairs &&
+                         order_pairs_by_cost(p, static_cast<int>(G), limit, pos[0]);
+    if (!ordered) {
+      const int v = snap ? 1 : 0;
+      for (int g = tid; g <= G; g += kPlanThreads) {
+        const int pr = start_pair[v][g];
+        p.parts[g] =
+            pr < p.num_pairs
+                ? PartStart{pr, start_tile[v][g], p.pairs[pr].n_main, p.pairs[pr].len, pr, {}}
+                : PartStart{p.num_pairs, 0, 0, 0, p.num_pairs, {}};
+        if (v == 1) pos[0][g] = pos[1][g];
+      }
     }
     __syncthreads();
   }
