@@ -1,6 +1,6 @@
 // The planner: one CTA reads the length tensors on the device (no host sync, capturable in a CUDA
-// graph) and writes the plan of params.h: per pair its clamped lengths and place on the cost line,
-// per part its first tile, per split pair its partial slots.
+// graph) and writes the plan of params.h: per place on the cost line the pair there, its clamped
+// lengths and cost position, per part its first tile, per split pair its partial slots.
 #include <cuda_runtime.h>
 
 #include <cstdint>
