@@ -188,6 +188,10 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"model1_b2_sq1_h64_values_times_2pow40",
                  with_values_scaled(base(M1, 2, 1, 64, 1, 64, {3000, 2000}), 40)});
   }
+  // Many requests of random lengths (1-512), about two a part: where their own order does not
+  // balance the parts with whole requests, the planner lays them out in its own
+  // (test_cuda_plan.cpp checks the plans themselves).
+  v.push_back({"bf16_b300_sq1_h16_many_varied_requests", base(BF, 300, 1, 16, 1, 64)});
   return v;
 }
 
