@@ -88,7 +88,9 @@ __device__ bool order_pairs_by_cost(const PlanParams& p, int G, int64_t limit, i
     }
     key[k] = v;
   }
-  if (block_max(worst) >= kMaxKeyCost) return false;
+  // A pair longer than the limit fits no part whole: no need to sort.
+  const int64_t longest_pair = block_max(worst);
+  if (longest_pair >= kMaxKeyCost || longest_pair > limit) return false;
   // Bitonic sort, descending.
   for (int k = 2; k <= n2; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
