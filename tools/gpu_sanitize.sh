@@ -4,7 +4,10 @@
 #   tools/gpu_sanitize.sh [BUILD_DIR or TEST_BINARY] [OUT_DIR] [GTEST_FILTER]
 # Defaults: build, $OUT (else ./sanitize-out), $SPARSE_MLA_SANITIZE_FILTER (else the GPU suites,
 # 'Cuda*:*/Cuda*'). SANITIZE_TOOLS overrides the tool list. Exits non-zero if any tool reports
-# an error or a test fails or skips under it (a skip there means the GPU was not seen).
+# an error or a test fails or skips under it (a skip there means the GPU was not seen), except
+# racecheck's known report on the Hopper kernel's stage valid bits (docs/robustness.md: a
+# consumer's read in mask_and_max against a producer's later write, ordered through barriers
+# racecheck does not follow), which is counted and named in the summary; any other hazard fails.
 set -uo pipefail
 
 target=${1:-build}
@@ -29,13 +32,24 @@ fi
 mkdir -p "$out"
 summary=$out/sanitize_summary.txt
 
+# Racecheck hazards (hazard report mode, all printed) whose two accesses are the Hopper kernel's
+# known pair: a read in mask_and_max and a write in producer() or convert_raw().
+known_valid_bit_hazards() {
+  awk '
+    function close_one() { if (open && r ~ /::mask_and_max\(/ && w ~ /::(producer|convert_raw)\(/) n++ }
+    /hazard detected/ { close_one(); open = 1; r = ""; w = "" }
+    /Read Thread/ { r = $0 }
+    /Write Thread/ { w = $0 }
+    END { close_one(); print n + 0 }' "$1"
+}
+
 declare -a extra
 status=0
 printf '%-10s %-22s %-8s %-7s %s\n' tool tests errors seconds verdict >"$summary"
 for tool in $tools; do
   case $tool in
     memcheck) extra=(--leak-check full) ;;
-    racecheck) extra=(--racecheck-report hazard) ;;
+    racecheck) extra=(--racecheck-report hazard --print-limit 0 --show-backtrace no) ;;
     *) extra=() ;;
   esac
   log=$out/sanitize_$tool.log
@@ -51,7 +65,16 @@ for tool in $tools; do
   # "ERROR SUMMARY: N errors" (memcheck, initcheck, synccheck), "RACECHECK SUMMARY: N hazards"
   errors=$(grep -oE '(ERROR|RACECHECK) SUMMARY: [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$')
   verdict=ok
-  if [[ $rc -ne 0 || -z $ran || ${passed:-0} -ne ${ran:-0} || ${errors:-1} -ne 0 ]]; then
+  unexplained=${errors:-1}
+  if [[ $tool == racecheck && ${errors:-0} -ne 0 ]]; then
+    known=$(known_valid_bit_hazards "$log")
+    if [[ $known -eq $errors && $rc -eq 99 ]]; then  # 99: --error-exitcode, for hazards only
+      verdict="ok ($known known valid-bit reports)"
+      unexplained=0
+      rc=0
+    fi
+  fi
+  if [[ $rc -ne 0 || -z $ran || ${passed:-0} -ne ${ran:-0} || $unexplained -ne 0 ]]; then
     verdict="FAIL (rc $rc)"
     status=1
   fi
@@ -60,7 +83,7 @@ for tool in $tools; do
   printf '%-10s %-22s %-8s %-7s %s\n' "$tool" "$tests" "${errors:-?}" \
     "$seconds" "$verdict" >>"$summary"
   # Failing tests are named in the summary with their data seeds (the logs may not come back).
-  if [[ $verdict != ok ]]; then
+  if [[ $verdict == FAIL* ]]; then
     # In log order: each test's seed (its trace), then "[  FAILED  ] Suite.Test (N ms)".
     grep -E '^\[  FAILED  \] [A-Za-z].* ms\)$|SPARSE_MLA_TEST_SEED=' "$log" |
       uniq | head -n 16 | sed 's/^/    /' >>"$summary"
