@@ -113,7 +113,7 @@ __device__ bool order_pairs_by_cost(const PlanParams& p, int G, int64_t limit, i
   // Round rd visits the parts forward when even, backward when odd; the last round is partial.
   const int R = N / G, rem = N % G;
   auto rank_of = [&](int g, int rd) { return rd * G + ((rd & 1) ? G - 1 - g : g); };
-  auto part_of = [&](int r) {  // inverse of rank_of, for the part
+  auto part_of_rank = [&](int r) {  // inverse of rank_of, for the part
     const int rd = r / G, k = r - rd * G;
     return (rd & 1) ? G - 1 - k : k;
   };
@@ -137,7 +137,7 @@ __device__ bool order_pairs_by_cost(const PlanParams& p, int G, int64_t limit, i
     const int r = tid + u * kPlanThreads;
     place[u] = -1;
     if (r >= N) continue;
-    const int rd = r / G, g = part_of(r);
+    const int rd = r / G, g = part_of_rank(r);
     moved[u] = p.pairs[pair_at(r)];
     moved[u].cost_begin = starts[g];
     for (int e = 0; e < rd; ++e) moved[u].cost_begin += cost_at(rank_of(g, e));
