@@ -11,6 +11,10 @@
 // lse +inf. In "moderate" mode (finite values of the spec's distribution) run A is also compared
 // with the fp64 reference under the spec's tolerances. Exact-size blocks let AddressSanitizer see
 // every read past a buffer.
+//
+// The operations run through a DecodeRunner: the CPU backend for the fuzzer and the CPU tests;
+// tests/cpp/cuda/test_cuda_fuzz.cpp mirrors every buffer onto the GPU (exact sizes again, for
+// compute-sanitizer) and runs a CUDA backend on wider shapes.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +33,24 @@
 #include "sparse_mla/sparse_mla.h"
 
 namespace sparse_mla::fuzz {
+
+// Where the decode target runs its three operations. `wide` draws larger shapes (up to 128 query
+// heads, lists of up to a few hundred tokens, more pages) so that a GPU backend reaches its
+// Hopper kernel, lists cut into several parts and the combine; the checks stay the same. The
+// draws without `wide` are the fuzzer's, so its corpus keeps its meaning.
+struct DecodeRunner {
+  std::function<Status(const SparseDecodeArgs&)> sparse;
+  std::function<Status(const DenseDecodeArgs&)> dense;
+  std::function<Status(const MergeArgs&)> merge;
+  bool wide = false;
+};
+
+inline DecodeRunner cpu_runner() {
+  const Options o{Backend::kCPU, nullptr};
+  return {[o](const SparseDecodeArgs& a) { return sparse_decode(a, Workspace{}, o); },
+          [o](const DenseDecodeArgs& a) { return dense_decode(a, Workspace{}, o); },
+          [o](const MergeArgs& a) { return merge_attention(a, o); }, false};
+}
 
 namespace decode_detail {
 
@@ -114,12 +136,12 @@ struct Cache {
   std::vector<uint8_t> referenced;  // per byte: 1 when the request reads it
 };
 
-inline Cache make_cache(Input& in, Arena& arena, KVFormat format, int64_t heads) {
+inline Cache make_cache(Input& in, Arena& arena, KVFormat format, int64_t heads, bool wide) {
   Cache c;
   c.kv.format = format;
   c.kv.num_heads = heads;
   c.kv.page_size = in.pick<int64_t>({1, 2, 3, 5, 16, 53, 64, 69});
-  c.kv.num_pages = in.range(0, 4);
+  c.kv.num_pages = in.range(0, wide ? 12 : 4);
   const int64_t min_stride = (c.kv.page_size * c.kv.bytes_per_token() + 15) / 16 * 16;
   c.kv.page_stride = min_stride + 16 * in.range(0, 2);
   c.size = c.kv.num_pages == 0 ? 0
@@ -362,16 +384,21 @@ inline std::optional<float> decode_scale(Input& in, int d_qk) {
 
 // ---- sparse decode ----
 
-inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
+inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate, const DecodeRunner& run) {
   Gen gen(in.u64());
   const KVFormat format = in.coin() ? KVFormat::kModel1 : KVFormat::kV32;
   const int d_qk = format == KVFormat::kModel1 ? 512 : 576;
-  const int64_t b = in.range(0, 3), s_q = in.range(1, 2), h_q = in.range(1, 6);
-  const int64_t topk = in.range(1, 24);
-  Cache kv = make_cache(in, arena, format, 1);
+  const bool wide = run.wide;
+  const int64_t b = in.range(0, 3), s_q = in.range(1, 2);
+  const int64_t h_q = wide ? in.pick<int64_t>({1, 5, 16, 31, 64, 100, 128}) : in.range(1, 6);
+  // Long lists only where the fp64 reference of a moderate input stays quick.
+  const bool long_lists = wide && in.coin();
+  const int64_t topk = long_lists ? in.range(25, h_q >= 64 ? 96 : 320) : in.range(1, 24);
+  Cache kv = make_cache(in, arena, format, 1, wide);
   const bool use_extra = in.u8() % 3 == 0;
-  Cache extra = use_extra ? make_cache(in, arena, format, 1) : Cache{};
-  const int64_t extra_topk = use_extra ? in.range(1, 12) : 0;
+  Cache extra = use_extra ? make_cache(in, arena, format, 1, wide) : Cache{};
+  const int64_t extra_topk =
+      !use_extra ? 0 : (long_lists ? in.range(13, h_q >= 64 ? 48 : 160) : in.range(1, 12));
 
   Buf q = make_buf(in, arena, DType::kBFloat16, {b, s_q, h_q, d_qk});
   fill_values(q, in, gen, moderate);
@@ -466,7 +493,6 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
   a.softmax_scale = decode_scale(in, d_qk);
   a.out = out.view;
   a.lse = lse.view;
-  const Options o{Backend::kCPU, nullptr};
   const bool nan_noise = in.coin();
   auto rescramble = [&] {
     for (Cache* c : {&kv, &extra}) {
@@ -488,8 +514,7 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
   };
   std::vector<std::vector<uint8_t>> result;
   twice(
-      f, "sparse_decode", {&out, &lse}, [&] { return sparse_decode(a, Workspace{}, o); },
-      rescramble, &result);
+      f, "sparse_decode", {&out, &lse}, [&] { return run.sparse(a); }, rescramble, &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
@@ -506,17 +531,19 @@ inline void sparse(Input& in, Arena& arena, Findings& f, bool moderate) {
 
 // ---- dense decode ----
 
-inline void dense(Input& in, Arena& arena, Findings& f, bool moderate) {
+inline void dense(Input& in, Arena& arena, Findings& f, bool moderate, const DecodeRunner& run) {
   Gen gen(in.u64());
   const KVFormat format =
       in.pick<KVFormat>({KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32});
   const bool fp8 = format == KVFormat::kModel1 || format == KVFormat::kV32;
   const int64_t h_kv = fp8 ? 1 : in.range(1, 2);
-  const int64_t b = in.range(0, 3), s_q = in.range(1, 3), h_q = h_kv * in.range(1, 3);
+  const bool wide = run.wide;
+  const int64_t b = in.range(0, 3), s_q = in.range(1, 3);
+  const int64_t h_q = h_kv * (wide ? in.pick<int64_t>({1, 3, 8, 16, 64}) : in.range(1, 3));
   const int d_qk = format == KVFormat::kModel1 ? 512 : 576;
   const DType qt = format == KVFormat::kFP16 ? DType::kFloat16 : DType::kBFloat16;
-  Cache kv = make_cache(in, arena, format, h_kv);
-  const int64_t max_pages = in.range(0, 4);
+  Cache kv = make_cache(in, arena, format, h_kv, wide);
+  const int64_t max_pages = in.range(0, wide && h_q < 32 ? 12 : 4);
   const int64_t capacity = max_pages * kv.kv.page_size;
   Buf q = make_buf(in, arena, qt, {b, s_q, h_q, d_qk});
   fill_values(q, in, gen, moderate);
@@ -559,7 +586,6 @@ inline void dense(Input& in, Arena& arena, Findings& f, bool moderate) {
   a.softmax_scale = decode_scale(in, d_qk);
   a.out = out.view;
   a.lse = lse.view;
-  const Options o{Backend::kCPU, nullptr};
   const bool nan_noise = in.coin();
   auto rescramble = [&] {
     if (kv.bytes) scramble_unreferenced(kv, gen, nan_noise);
@@ -574,8 +600,7 @@ inline void dense(Input& in, Arena& arena, Findings& f, bool moderate) {
   };
   std::vector<std::vector<uint8_t>> result;
   twice(
-      f, "dense_decode", {&out, &lse}, [&] { return dense_decode(a, Workspace{}, o); }, rescramble,
-      &result);
+      f, "dense_decode", {&out, &lse}, [&] { return run.dense(a); }, rescramble, &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
@@ -592,7 +617,7 @@ inline void dense(Input& in, Arena& arena, Findings& f, bool moderate) {
 
 // ---- merge ----
 
-inline void merge(Input& in, Arena& arena, Findings& f, bool moderate) {
+inline void merge(Input& in, Arena& arena, Findings& f, bool moderate, const DecodeRunner& run) {
   Gen gen(in.u64());
   const int64_t n = in.range(1, 4), b = in.range(0, 2), s_q = in.range(1, 2), h_q = in.range(1, 4);
   const int64_t d_v = in.pick<int64_t>({512, 1, 7, 64});
@@ -657,11 +682,7 @@ inline void merge(Input& in, Arena& arena, Findings& f, bool moderate) {
   };
   std::vector<std::vector<uint8_t>> result;
   twice(
-      f, "merge_attention", {&out, &lse},
-      [&] {
-        return merge_attention(a, Options{Backend::kCPU, nullptr});
-      },
-      rescramble, &result);
+      f, "merge_attention", {&out, &lse}, [&] { return run.merge(a); }, rescramble, &result);
   if (f.any()) return;
   for (int64_t i = 0; i < b; ++i) {
     for (int64_t s = 0; s < s_q; ++s) {
@@ -682,7 +703,7 @@ inline void merge(Input& in, Arena& arena, Findings& f, bool moderate) {
 
 }  // namespace decode_detail
 
-inline std::string fuzz_decode(const uint8_t* data, size_t size) {
+inline std::string fuzz_decode_on(const uint8_t* data, size_t size, const DecodeRunner& run) {
   using namespace decode_detail;
   Input in(data, size);
   Arena arena;
@@ -692,16 +713,20 @@ inline std::string fuzz_decode(const uint8_t* data, size_t size) {
   switch (mode % 4) {
     case 0:
     case 1:
-      sparse(in, arena, f, moderate);
+      sparse(in, arena, f, moderate, run);
       break;
     case 2:
-      dense(in, arena, f, moderate);
+      dense(in, arena, f, moderate, run);
       break;
     case 3:
-      merge(in, arena, f, moderate);
+      merge(in, arena, f, moderate, run);
       break;
   }
   return f.first;
+}
+
+inline std::string fuzz_decode(const uint8_t* data, size_t size) {
+  return fuzz_decode_on(data, size, cpu_runner());
 }
 
 }  // namespace sparse_mla::fuzz

@@ -5,18 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <ostream>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "fuzz/targets.h"
 #include "sparse_mla/sparse_mla.h"
+#include "tests/cpp/fuzz_inputs.h"
 
 namespace sparse_mla::fuzz {
 // gtest prints a failing parameter by its name.
@@ -26,31 +22,15 @@ void PrintTo(const Target& target, std::ostream* os) { *os << target.name; }
 namespace sparse_mla {
 namespace {
 
-namespace fs = std::filesystem;
-
 constexpr Device kHost{};
 
-// The repository root, from this file's path (tests/cpp/<this file>).
-fs::path repo_root() { return fs::path(__FILE__).parent_path().parent_path().parent_path(); }
-
-std::vector<uint8_t> read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-// Runs every file of <root>/<folder>/<target>/ through the target; returns how many ran.
+// Runs the committed files of <folder>/<target>/ through the target; returns how many ran.
 int replay(const fuzz::Target& target, const char* folder) {
-  const fs::path dir = repo_root() / folder / target.name;
-  if (!fs::is_directory(dir)) return 0;
-  int count = 0;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (!entry.is_regular_file()) continue;
-    const std::vector<uint8_t> input = read_bytes(entry.path());
-    EXPECT_EQ(target.fn(input.data(), input.size()), "")
-        << target.name << ": " << entry.path().string();
-    ++count;
+  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::committed(folder, target.name);
+  for (const fuzz_inputs::Input& in : inputs) {
+    EXPECT_EQ(target.fn(in.bytes.data(), in.bytes.size()), "") << target.name << ": " << in.name;
   }
-  return count;
+  return static_cast<int>(inputs.size());
 }
 
 class FuzzTarget : public testing::TestWithParam<fuzz::Target> {};
@@ -63,15 +43,25 @@ TEST_P(FuzzTarget, CorpusAndReproducers) {
 
 // Fresh inputs on every run; SPARSE_MLA_TEST_SEED replays one (the seed is in the failure).
 TEST_P(FuzzTarget, RandomInputs) {
-  uint64_t seed = std::random_device{}();
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) seed = std::strtoull(s, nullptr, 10);
-  std::mt19937_64 rng(seed);
-  for (int i = 0; i < 300; ++i) {
-    std::vector<uint8_t> input(rng() % 600);
-    for (uint8_t& byte : input) byte = static_cast<uint8_t>(rng());
-    const std::string finding = GetParam().fn(input.data(), input.size());
-    ASSERT_EQ(finding, "") << GetParam().name << ", SPARSE_MLA_TEST_SEED=" << seed << ", input "
-                           << i;
+  const uint64_t seed = fuzz_inputs::random_seed();
+  for (const fuzz_inputs::Input& in : fuzz_inputs::random(seed, 300)) {
+    const std::string finding = GetParam().fn(in.bytes.data(), in.bytes.size());
+    ASSERT_EQ(finding, "") << GetParam().name << ", SPARSE_MLA_TEST_SEED=" << seed << ", "
+                           << in.name;
+  }
+}
+
+// The decode target's wide shapes (up to 128 heads, longer lists) on the CPU backend, as
+// tests/cpp/cuda/test_cuda_fuzz.cpp runs them on the GPU backends.
+TEST(FuzzDecodeWide, CorpusReproducersAndRandomInputs) {
+  fuzz::DecodeRunner run = fuzz::cpu_runner();
+  run.wide = true;
+  const uint64_t seed = fuzz_inputs::random_seed();
+  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::decode_inputs(seed, 200);
+  ASSERT_GT(inputs.size(), 200u) << "no seed corpus under fuzz/corpus/decode";
+  for (const fuzz_inputs::Input& in : inputs) {
+    const std::string finding = fuzz::fuzz_decode_on(in.bytes.data(), in.bytes.size(), run);
+    ASSERT_EQ(finding, "") << in.name << ", SPARSE_MLA_TEST_SEED=" << seed;
   }
 }
 
