@@ -65,11 +65,12 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 // the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row, so cutting
 // below a few tiles costs more traffic than it saves). The Hopper kernel's fixed cost is two of
 // its tiles (H200 sweep, sm90_notes.md variant 32: one tile left MODEL1 C3/C4 b=128 2.6-4%
-// slower, four or five slowed C1 b=128 by 8%), and so is its smallest part: a Hopper CTA's
+// slower, four or five slowed C1 b=128 by 8%), and so is its smallest part where the planner
+// applies one (plan.cu: where one-tile parts would keep half the CTAs busy): a Hopper CTA's
 // 64-row partial (128 KB) outweighs one tile's rows (28 KB of MODEL1), while the portable
-// kernel's 32-token tiles are best cut 2 a part (H200 sweep, variant 103: 3 tiles made the portable
-// b=2 rows 5-13% slower but one, 4 to 6 up to 55%; 2 Hopper tiles instead of 1 took MODEL1 C4
-// s_q 2 b=2 from 22.4 to 20.8 us and C2 from 23.0 to 22.7).
+// kernel's 32-token tiles are best cut 2 a part (H200 sweep, variant 103: 3 tiles made the
+// portable b=2 rows 5-13% slower but one, 4 to 6 up to 55%; 2 Hopper tiles instead of 1 took
+// MODEL1 C4 s_q 2 b=2 from 22.2 to 20.6 us, but dense b=1 s_k 1024 5-11% slower where applied).
 inline constexpr int kOverheadTokens = 64;
 inline constexpr int kSm90OverheadTiles = 2;
 inline constexpr int kMinTokensPerPart = 64;
