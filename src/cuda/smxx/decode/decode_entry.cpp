@@ -76,6 +76,7 @@ PlanParams plan_params(const DecodeShape& s, const Workspace& ws) {
   pp.tile_tokens = s.kernel.tile_tokens;
   pp.overhead_tiles = s.overhead_tiles;
   pp.min_tiles_per_part = s.min_tiles_per_part;
+  pp.busy_min_tiles = s.busy_min_tiles;
   pp.snap_slack_tiles = s.snap_slack_tiles;
   auto* base = static_cast<uint8_t*>(ws.plan);
   pp.parts = reinterpret_cast<PartStart*>(base + s.plan.parts_offset);

@@ -210,8 +210,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   s.num_parts = static_cast<int>(std::max<int64_t>(1, slots / row_blocks));
   s.overhead_tiles =
       use_sm90 ? kSm90OverheadTiles : std::max(1, kOverheadTokens / k.tile_tokens);
-  s.min_tiles_per_part =
-      use_sm90 ? kSm90MinTilesPerPart : std::max(1, kMinTokensPerPart / k.tile_tokens);
+  s.min_tiles_per_part = std::max(1, kMinTokensPerPart / k.tile_tokens);
+  s.busy_min_tiles = use_sm90 ? kSm90BusyMinTiles : 0;
   s.snap_slack_tiles = kSnapSlackTiles;
   s.busy_parts = s.num_parts;
   if (max_len > 0) {

@@ -43,7 +43,8 @@ struct DecodeShape {
   int64_t busy_parts = 0;  // parts that can get work: num_parts, fewer for short token lists
   int overhead_tiles = 0;  // planner cost line, in tiles of the kernel (kOverheadTokens or
                            // kSm90OverheadTiles)
-  int min_tiles_per_part = 0;  // (kMinTokensPerPart or kSm90MinTilesPerPart)
+  int min_tiles_per_part = 0;  // (kMinTokensPerPart)
+  int busy_min_tiles = 0;      // (kSm90BusyMinTiles; 0: none)
   int snap_slack_tiles = 0;    // (kSnapSlackTiles)
   bool dependent_launch = false;  // combine as a programmatic dependent launch (sm_90+)
   int max_slots = 0;
@@ -65,16 +66,16 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
 // the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row, so cutting
 // below a few tiles costs more traffic than it saves). The Hopper kernel's fixed cost is two of
 // its tiles (H200 sweep, sm90_notes.md variant 32: one tile left MODEL1 C3/C4 b=128 2.6-4%
-// slower, four or five slowed C1 b=128 by 8%), and so is its smallest part where the planner
-// applies one (plan.cu: where one-tile parts would keep half the CTAs busy): a Hopper CTA's
-// 64-row partial (128 KB) outweighs one tile's rows (28 KB of MODEL1), while the portable
-// kernel's 32-token tiles are best cut 2 a part (H200 sweep, variant 103: 3 tiles made the
-// portable b=2 rows 5-13% slower but one, 4 to 6 up to 55%; 2 Hopper tiles instead of 1 took
-// MODEL1 C4 s_q 2 b=2 from 22.2 to 20.6 us, but dense b=1 s_k 1024 5-11% slower where applied).
+// slower, four or five slowed C1 b=128 by 8%).
 inline constexpr int kOverheadTokens = 64;
 inline constexpr int kSm90OverheadTiles = 2;
 inline constexpr int kMinTokensPerPart = 64;
-inline constexpr int kSm90MinTilesPerPart = 2;
+// The Hopper kernel's smallest part where one-tile parts would keep at least half of its CTAs
+// busy: their 64-row partials (128 KB a CTA against 28 KB of MODEL1 rows a tile), all written at
+// once, then cost more than a second tile a part. H200, variant 103: MODEL1 C4 s_q 2 b=2 22.2 ->
+// 20.6 us; the same minimum everywhere made dense b=1 s_k 1024 5-11% slower, and a larger one on
+// the portable kernel every portable b=2 row 5-55% slower.
+inline constexpr int kSm90BusyMinTiles = 2;
 // What the combine of split pairs costs, in tiles of a part: the planner moves part starts to
 // pair ends (no pair split, nothing to combine) where that lengthens the longest part by at most
 // this much. H200: the combine takes 9-14 us of a call with split pairs at b >= 64

@@ -81,6 +81,7 @@ struct PlanParams {
   int32_t tile_tokens;
   int32_t overhead_tiles;
   int32_t min_tiles_per_part;
+  int32_t busy_min_tiles;    // a larger smallest part where one-tile parts fill half the CTAs
   int32_t snap_slack_tiles;  // part starts move to pair ends if that lengthens no part by more
   // sparse
   const int32_t* topk_length;  // [b] or nullptr

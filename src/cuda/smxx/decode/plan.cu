@@ -201,10 +201,11 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
   const int64_t C = carry;
   const int64_t G = p.num_parts;
   int64_t q = (C + G - 1) / G;
-  // Parts of the smallest size only where one-tile parts would keep at least half of the CTAs
-  // busy: then their partial rows, written by all of them at once, cost more than a longer part
-  // (variant 103). With fewer busy CTAs the partials are few and a part's own chain dominates.
-  if (q < p.min_tiles_per_part && 2 * C >= G) q = p.min_tiles_per_part;
+  if (q < p.min_tiles_per_part) q = p.min_tiles_per_part;
+  // Where one-tile parts would keep at least half of the CTAs busy, their partial rows, written
+  // by all of them at once, cost more than a longer part; with fewer busy CTAs the partials are
+  // few and a part's own chain dominates (variant 103).
+  if (q < p.busy_min_tiles && 2 * C >= G) q = p.busy_min_tiles;
   if (q < 1) q = 1;
   __syncthreads();  // pairs[] written above is read by other threads below
 
