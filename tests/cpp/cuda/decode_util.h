@@ -183,6 +183,26 @@ inline ref::RefOutput as_ref(const ref::HostTensor& out, const ref::HostTensor& 
   return r;
 }
 
+// Expects the outputs in c.out / c.lse (a ref::SparseCase or ref::DenseCase run on the GPU) to
+// match `reference` within `tol`, and the CPU backend's outputs on the same case, which
+// run_cpu(args) computes, within twice its lse bounds: both sides carry their own error against
+// the reference.
+template <typename Case, typename RunCpu>
+void expect_reference_and_cpu(const Case& c, const ref::RefOutput& reference, ref::Tolerance tol,
+                              RunCpu run_cpu) {
+  const ref::CompareResult res = ref::compare_outputs(c.out.view(), c.lse.view(), reference, tol);
+  EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
+  Case cpu = c;
+  cpu.poison_outputs();
+  const Status st = run_cpu(cpu.args());
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  tol.lse_abs *= 2;
+  tol.lse_rel *= 2;
+  const ref::CompareResult res_cpu =
+      ref::compare_outputs(c.out.view(), c.lse.view(), as_ref(cpu.out, cpu.lse), tol);
+  EXPECT_TRUE(res_cpu.ok) << "vs CPU backend: " << res_cpu.summary();
+}
+
 inline std::vector<uint8_t> host_bytes(const ref::HostTensor& t) {
   const size_t n = gpu_test::span_bytes(t.view());
   std::vector<uint8_t> v(n);

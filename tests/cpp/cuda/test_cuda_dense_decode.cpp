@@ -42,21 +42,11 @@ void check_case(ref::DenseCase& c) {
   ASSERT_TRUE(decode_test::run_dense(d.args, stream));
   c.poison_outputs();
   d.download(c);
-  const ref::RefOutput r = ref::dense_decode_reference(c.args());
-  const ref::CompareResult res = ref::compare_outputs(
-      c.out.view(), c.lse.view(), r, ref::Tolerance::dense(c.config.value_scale_log2));
-  EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
-
-  ref::DenseCase cpu = c;
-  cpu.poison_outputs();
-  const Status st = dense_decode(cpu.args(), Workspace{}, Options{Backend::kCPU, nullptr});
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  ref::Tolerance tol = ref::Tolerance::dense(c.config.value_scale_log2);
-  tol.lse_abs *= 2;
-  tol.lse_rel *= 2;
-  const ref::CompareResult res_cpu = ref::compare_outputs(
-      c.out.view(), c.lse.view(), decode_test::as_ref(cpu.out, cpu.lse), tol);
-  EXPECT_TRUE(res_cpu.ok) << "vs CPU backend: " << res_cpu.summary();
+  decode_test::expect_reference_and_cpu(
+      c, ref::dense_decode_reference(c.args()), ref::Tolerance::dense(c.config.value_scale_log2),
+      [](const DenseDecodeArgs& a) {
+        return dense_decode(a, Workspace{}, Options{Backend::kCPU, nullptr});
+      });
 }
 
 struct DenseParam {

@@ -32,21 +32,11 @@ using sparse_cases::with_extra;
 
 // Checks the outputs in c.out / c.lse against the reference and against the CPU backend.
 void check_outputs(const ref::SparseCase& c) {
-  const ref::RefOutput r = ref::sparse_decode_reference(c.args());
-  const ref::CompareResult res = ref::compare_outputs(
-      c.out.view(), c.lse.view(), r, ref::Tolerance::sparse(c.config.value_scale_log2));
-  EXPECT_TRUE(res.ok) << "vs reference: " << res.summary();
-
-  ref::SparseCase cpu = c;
-  cpu.poison_outputs();
-  const Status st = sparse_decode(cpu.args(), Workspace{}, Options{Backend::kCPU, nullptr});
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  ref::Tolerance tol = ref::Tolerance::sparse(c.config.value_scale_log2);
-  tol.lse_abs *= 2;  // both sides carry their own error against the reference
-  tol.lse_rel *= 2;
-  const ref::CompareResult res_cpu = ref::compare_outputs(
-      c.out.view(), c.lse.view(), decode_test::as_ref(cpu.out, cpu.lse), tol);
-  EXPECT_TRUE(res_cpu.ok) << "vs CPU backend: " << res_cpu.summary();
+  decode_test::expect_reference_and_cpu(
+      c, ref::sparse_decode_reference(c.args()), ref::Tolerance::sparse(c.config.value_scale_log2),
+      [](const SparseDecodeArgs& a) {
+        return sparse_decode(a, Workspace{}, Options{Backend::kCPU, nullptr});
+      });
 }
 
 // Runs the CUDA backend on `c` (outputs land in c.out / c.lse) and checks them.
