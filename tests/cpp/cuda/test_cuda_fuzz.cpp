@@ -100,7 +100,7 @@ Status run_decode(const Args& host, const Args& dev, Backend backend, uint8_t fi
 struct Reached {
   int sparse = 0, dense = 0, merge = 0;
   int sparse_64_heads = 0;  // sparse calls with 64 query heads or more (the Hopper kernel's rows)
-  int long_lists = 0;       // calls whose requests have more than 64 tokens (several tiles)
+  int long_lists = 0;       // calls with room for more than 64 tokens a list (several tiles)
 };
 
 fuzz::DecodeRunner gpu_runner(Backend backend, std::shared_ptr<Reached> reached) {
@@ -182,7 +182,8 @@ TEST(CudaFuzzDecode, CorpusReproducersAndRandomInputs) {
   }
   // Each request runs twice, so these count twice each.
   std::printf(
-      "GPU calls: %d sparse (%d with >= 64 heads), %d dense, %d merge; %d with > 64 tokens\n",
+      "GPU calls: %d sparse (%d with >= 64 heads), %d dense, %d merge; %d with room for > 64 "
+      "tokens\n",
       reached->sparse, reached->sparse_64_heads, reached->dense, reached->merge,
       reached->long_lists);
   EXPECT_GT(reached->sparse_64_heads, 0);
