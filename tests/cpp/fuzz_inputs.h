@@ -4,13 +4,14 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla::fuzz_inputs {
 
@@ -39,12 +40,6 @@ inline std::vector<Input> committed(const char* folder, const char* target) {
     inputs.push_back({entry.path().string(), {std::istreambuf_iterator<char>(f), {}}});
   }
   return inputs;
-}
-
-// Fresh random inputs on every run; SPARSE_MLA_TEST_SEED=<n> replays a failing run's.
-inline uint64_t random_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
 }
 
 // `count` byte strings of 0-599 random bytes from `seed`.

@@ -20,6 +20,7 @@
 #include "reference/reference.h"
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla {
 namespace {
@@ -27,11 +28,7 @@ namespace {
 const Options kCPU{Backend::kCPU, nullptr};
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Fresh data on every run; SPARSE_MLA_TEST_SEED replays a failing one (the seed is in the trace).
-uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 ref::CompareResult run_and_compare(ref::DenseCase& c) {
   c.poison_outputs();

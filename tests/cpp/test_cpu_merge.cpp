@@ -17,6 +17,7 @@
 #include "reference/reference.h"
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla {
 namespace {
@@ -24,10 +25,7 @@ namespace {
 const Options kCPU{Backend::kCPU, nullptr};
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 ref::CompareResult run_and_compare(ref::MergeCase& c) {
   c.poison_outputs();

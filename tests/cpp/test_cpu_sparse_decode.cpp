@@ -24,6 +24,7 @@
 #include "src/cpu/attention_common.h"
 #include "src/kv/format.h"
 #include "tests/cpp/sparse_cases.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla {
 namespace {
@@ -31,11 +32,7 @@ namespace {
 const Options kCPU{Backend::kCPU, nullptr};
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Fresh data on every run; SPARSE_MLA_TEST_SEED replays a failing one (the seed is in the trace).
-uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 // Runs the CPU backend on a poisoned output and checks it against the reference.
 ref::CompareResult run_and_compare(ref::SparseCase& c) {

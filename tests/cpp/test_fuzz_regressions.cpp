@@ -43,7 +43,7 @@ TEST_P(FuzzTarget, CorpusAndReproducers) {
 
 // Fresh inputs on every run; SPARSE_MLA_TEST_SEED replays one (the seed is in the failure).
 TEST_P(FuzzTarget, RandomInputs) {
-  const uint64_t seed = fuzz_inputs::random_seed();
+  const uint64_t seed = test_support::test_seed();
   for (const fuzz_inputs::Input& in : fuzz_inputs::random(seed, 300)) {
     const std::string finding = GetParam().fn(in.bytes.data(), in.bytes.size());
     ASSERT_EQ(finding, "") << GetParam().name << ", SPARSE_MLA_TEST_SEED=" << seed << ", "
@@ -56,7 +56,7 @@ TEST_P(FuzzTarget, RandomInputs) {
 TEST(FuzzDecodeWide, CorpusReproducersAndRandomInputs) {
   fuzz::DecodeRunner run = fuzz::cpu_runner();
   run.wide = true;
-  const uint64_t seed = fuzz_inputs::random_seed();
+  const uint64_t seed = test_support::test_seed();
   const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::decode_inputs(seed, 200);
   ASSERT_GT(inputs.size(), 200u) << "no seed corpus under fuzz/corpus/decode";
   for (const fuzz_inputs::Input& in : inputs) {

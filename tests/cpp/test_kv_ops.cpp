@@ -17,6 +17,7 @@
 #include "sparse_mla/sparse_mla.h"
 #include "src/cpu/kv_convert.h"
 #include "src/kv/format.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla {
 namespace {
@@ -24,11 +25,7 @@ namespace {
 constexpr uint8_t kSentinel = 0xA5;
 const Options kCPU{Backend::kCPU, nullptr};
 
-// Fresh data on every run; SPARSE_MLA_TEST_SEED replays a failing one (the seed is in the trace).
-uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 // A page pool with a 16-byte-aligned start, as the API requires.
 struct HostCache {

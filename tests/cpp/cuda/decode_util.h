@@ -18,6 +18,7 @@
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
 #include "tests/cpp/cuda/gpu_util.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla::decode_test {
 
@@ -26,11 +27,7 @@ using gpu_test::DeviceKV;
 using gpu_test::DeviceTensor;
 using gpu_test::Stream;
 
-// Fresh data on every run; SPARSE_MLA_TEST_SEED replays a failing one (the seed is in the trace).
-inline uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 // Forces a tile configuration of the CUDA decode kernels for the scope (test hook of launch.cu).
 class ScopedTiles {

@@ -17,6 +17,7 @@
 #include "sparse_mla/backend.h"
 #include "sparse_mla/kv_cache.h"
 #include "sparse_mla/tensor.h"
+#include "tests/cpp/test_seed.h"
 
 namespace sparse_mla::gpu_test {
 
@@ -44,12 +45,7 @@ inline bool gpu_available(std::string* why_not) {
 
 inline Device cuda_device() { return Device{DeviceType::kCUDA, 0}; }
 
-// Fresh random data on every run; SPARSE_MLA_TEST_SEED=<n> replays a failing run (tests print
-// the seed they used in their failure messages).
-inline uint64_t test_seed() {
-  if (const char* s = std::getenv("SPARSE_MLA_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  return std::random_device{}();
-}
+using test_support::test_seed;
 
 // Device memory owned by the test; freed when it goes out of scope.
 class DeviceBuffer {

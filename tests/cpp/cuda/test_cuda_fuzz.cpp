@@ -172,7 +172,7 @@ TEST(CudaFuzzDecode, CorpusReproducersAndRandomInputs) {
   const Backend backend = gpu_test::gpu_backend_under_test();
   auto reached = std::make_shared<Reached>();
   const fuzz::DecodeRunner run = gpu_runner(backend, reached);
-  const uint64_t seed = fuzz_inputs::random_seed();
+  const uint64_t seed = test_support::test_seed();
   const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::decode_inputs(seed, 200);
   ASSERT_GT(inputs.size(), 200u) << "no seed corpus under fuzz/corpus/decode";
   for (const fuzz_inputs::Input& in : inputs) {
