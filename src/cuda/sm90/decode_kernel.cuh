@@ -60,14 +60,19 @@ using smxx::decode::PartStart;
 using smxx::decode::RowRef;
 using smxx::decode::token_visible;
 
-template <Fmt F>
+// kRowsArg: query rows per CTA. 64 is the wgmma M of S = Q K^T. Narrow CTAs (16 rows, FP8 pages
+// with 16 query rows or fewer a token list) compute S^T = K Q^T instead, with the tile's 64 tokens
+// as M and the rows as N, and O^T = V^T P^T, so that no padded rows are computed.
+template <Fmt F, int kRowsArg = 64>
 struct Sm90Config {
   using Traits = FormatTraits<F>;
-  static constexpr int kRows = 64;  // query rows per CTA (the wgmma M)
+  static constexpr int kRows = kRowsArg;  // query rows per CTA
+  static constexpr bool kNarrow = kRows < 64;
+  static_assert(kRows == 64 || (kRows == 16 && Traits::kFP8), "wide, or narrow FP8 CTAs");
   // MODEL1 stages its raw rows (kStaged): 48-token tiles make room for the ring next to two
-  // bf16 stages and Q in the 227 KB of shared memory.
+  // bf16 stages and Q in the 227 KB of shared memory; a narrow CTA's Q is small enough for 64.
   static constexpr bool kStaged = F == Fmt::kModel1;
-  static constexpr int kT = kStaged ? 48 : 64;  // tokens per tile
+  static constexpr int kT = kStaged && !kNarrow ? 48 : 64;  // tokens per tile
   static constexpr int kDqk = Traits::kDqk;
   static constexpr int kStages = 2;
   static constexpr int kRawStages = kStaged ? 2 : 0;
@@ -82,11 +87,14 @@ struct Sm90Config {
   // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
   // wgmma). V32's producers convert from registers and need 80, so its consumers split the
   // tile's tokens and the output dims evenly (176 registers each).
-  static constexpr bool kSingleS = !Traits::kFP8 || kStaged;
-  static constexpr int kDimsS = kSingleS ? 128 : 256;
-  static constexpr int kProducerRegs = kStaged ? 72 : (kSingleS ? 56 : 80);
+  // Narrow CTAs split by role too: consumer 0 computes S^T, the softmax and O^T for output dims
+  // [0, 256), consumer 1 O^T for [256, 512); their accumulators are small.
+  static constexpr bool kSingleS = !Traits::kFP8 || kStaged || kNarrow;
+  static constexpr int kDimsS = kSingleS && !kNarrow ? 128 : 256;
+  static constexpr int kProducerRegs = kStaged ? 72 : (kSingleS && !kNarrow ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
-  static constexpr int kPVRegs = kSingleS ? 232 : 256 - kProducerRegs;
+  static constexpr int kPVRegs =
+      kNarrow ? 256 - kProducerRegs : (kSingleS ? 232 : 256 - kProducerRegs);
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
   static constexpr int kSN = kSingleS ? kT : kT / 2;  // tokens of a tile in one S
 
@@ -94,7 +102,7 @@ struct Sm90Config {
   static constexpr int kQBlockBytes = kRows * 128;  // ... of Q
   static constexpr int kQBytes = kRows * kDqk * 2;
   static constexpr int kTileBytes = kT * kDqk * 2;
-  static constexpr int kPBytes = kRows * 128;  // P rows of 64 tokens (kT used)
+  static constexpr int kPBytes = kRows * 128;  // P (narrow: P^T) rows of 64 tokens (kT used)
   static constexpr int kRawRowBytes = kModel1RowBytes;            // 576
   static constexpr int kRawScaleOff = kT * kRawRowBytes;          // then 8 scale bytes a token
   static constexpr int kRawBytes = kRawScaleOff + kT * 8 + 16;    // + [8] uint8 valid bits
@@ -103,8 +111,10 @@ struct Sm90Config {
   static constexpr int kTileOff = kQOff + kQBytes;
   static constexpr int kPOff = kTileOff + kStages * kTileBytes;
   static constexpr int kRawOff = kPOff + kPBytes;
-  static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;  // [4][kRows] floats
-  static constexpr int kMaskOff = kExchOff + 4 * kRows * 4;  // [kStages][8] uint8 valid bits
+  // Per-row floats the consumers exchange: [4][kRows]; narrow CTAs [16][kRows] (Sm90Cta::exch).
+  static constexpr int kExchFloats = (kNarrow ? 16 : 4) * kRows;
+  static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;
+  static constexpr int kMaskOff = kExchOff + kExchFloats * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
   // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy), + P free (single S)
   static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps + 1;
@@ -197,9 +207,9 @@ struct TileCursor {
   }
 };
 
-template <Fmt F>
+template <Fmt F, int kRowsArg>
 struct Sm90Cta {
-  using Cfg = Sm90Config<F>;
+  using Cfg = Sm90Config<F, kRowsArg>;
   using Tr = FormatTraits<F>;
   static constexpr bool kHalf = Tr::kFP16;
   static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
@@ -211,6 +221,7 @@ struct Sm90Cta {
   static constexpr int kPReadyBarrier = 1;    // P written (single S: and the rescale factors)
   static constexpr int kRowMaxBarrier = 2;    // V32: both consumers' row maxima written
   static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (V32), output factors
+  static constexpr int kNarrowBarrier = 4;    // narrow: consumer 0's warps (column maxima, sums)
   static constexpr int kDV = smxx::decode::kDV;
   static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
   static constexpr int kSN = Cfg::kSN;
@@ -1041,6 +1052,305 @@ struct Sm90Cta {
     }
   }
 
+  // ---------------------------------------------------------------- narrow consumers (16 rows)
+  //
+  // S^T = K Q^T over the tile: M its 64 tokens, N the 16 query rows. A thread's accumulators are
+  // tokens tok_lo and tok_lo + 8 (tok_lo = 16 warp + lane / 4) of rows (columns) 8 j + 2 (lane % 4)
+  // + c, at s[4 j + 2 rr + c]; the thread's four rows are jc = 2 j + c. The softmax runs down the
+  // columns: a row's maximum over the tile from the warp's lanes and, through shared memory, the
+  // four warps; its sum stays per thread until the pair's end. P^T goes to shared memory as the
+  // K-major B operand of O^T = V^T P^T (a row of 64 tokens a query row), which both consumers
+  // read; O^T[dim, row] has the same layout with dims as M, 64 a wgmma.
+  static constexpr int kNarrowCols = 4;  // query rows a thread holds
+  __device__ static int narrow_col(int lane, int jc) {
+    return 8 * (jc >> 1) + 2 * (lane & 3) + (jc & 1);
+  }
+  __device__ static int narrow_jc(int e) { return 2 * (e >> 2) + (e & 1); }
+  // The four warps' column maxima of a tile (two tiles' worth), the rows' O rescale factors, their
+  // output factors, and the warps' row sums at a pair's end (exch: 16 x kRows floats).
+  __device__ float* narrow_max(int buf, int warp) const { return exch(4 * buf + warp); }
+  __device__ float* narrow_alpha() const { return exch(8); }
+  __device__ float* narrow_factor() const { return exch(9); }
+  __device__ float* narrow_sums(int warp) const { return exch(12 + warp); }
+
+  // Max (or sum) over the 8 lanes that hold the same columns (lanes equal mod 4).
+  __device__ static float column_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+  }
+  __device__ static float column_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    return v + __shfl_xor_sync(0xffffffffu, v, 16);
+  }
+
+  // O^T += V^T P^T for output dims [d0, d0 + 64 kBlocks) of stage st's tile.
+  template <int kBlocks>
+  __device__ void narrow_pv(float (&o)[kBlocks][8], int d0, int st, bool overwrite) const {
+    const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
+    const uint64_t pt_desc = sw128_desc(ptx::smem_addr(p_smem()), 0, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kT / 16; ++kk) {
+#pragma unroll
+      for (int bb = 0; bb < kBlocks; ++bb) {
+        const uint64_t v_desc = sw128_desc(
+            t_addr + (d0 / 64 + bb) * Cfg::kBlockBytes + kk * 16 * 128, Cfg::kBlockBytes, 1024);
+        wgmma_m64n16_mk(o[bb], v_desc, desc_add(pt_desc, kk * 32), kk > 0 || !overwrite);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+
+  template <int kBlocks>
+  __device__ static void narrow_rescale(const TileCursor<kT>& cur, float (&o)[kBlocks][8],
+                                        const float (&alpha)[kNarrowCols]) {
+    bool moved = false;
+#pragma unroll
+    for (int jc = 0; jc < kNarrowCols; ++jc) moved |= alpha[jc] != 1.f;
+    if (!cur.first() && __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int bb = 0; bb < kBlocks; ++bb) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[bb][e] *= alpha[narrow_jc(e)];
+      }
+    }
+  }
+
+  // Narrow consumer 0 (warps 8-11): S^T, the softmax, P^T and the rows' rescale factors into
+  // shared memory, and O^T for dims [0, 256).
+  __device__ void consumer_narrow_s() {
+    const int wt = threadIdx.x & 127, lane = wt & 31, warp = wt >> 5;
+    const int tok_lo = 16 * warp + (lane >> 2);
+    const uint32_t q_addr = ptx::smem_addr(q_smem());
+    uint16_t* pt = reinterpret_cast<uint16_t*>(p_smem());
+
+    const PartStart end = p.parts[blockIdx.x + 1];
+    TileCursor<kT> cur;
+    cur.init(p, end);
+    float o[4][8];
+    float m[kNarrowCols], l[kNarrowCols];
+    int lim[kNarrowCols];
+    for (int it = 0; cur.valid(p); ++it) {
+      const int st = it % Cfg::kStages;
+      if (cur.first()) {
+#pragma unroll
+        for (int jc = 0; jc < kNarrowCols; ++jc) {
+          m[jc] = -INFINITY;
+          l[jc] = 0.f;
+          lim[jc] = 0x7fffffff;
+          if (p.dense && p.causal)
+            lim[jc] = cur.len - p.s_q + (row0 + narrow_col(lane, jc)) / p.hpk;
+        }
+        mbar_wait(q_full_bar(), cur.seg & 1);
+      }
+      float s[kRows / 2];
+      mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
+      fence_proxy_async();
+      const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)), 0, 1024);
+      const uint64_t q_desc = sw128_desc(q_addr, 0, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
+        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
+        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
+        wgmma_m64nk_kk<false, kRows>(s, desc_add(t_desc, t_off), desc_add(q_desc, q_off), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
+
+      // Mask (absent tokens, causal limits) and the columns' maxima over the tile.
+      const uint8_t* mk = mask_smem(st);
+      const int pos0 = cur.k * kT;
+      bool present[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int t = tok_lo + 8 * rr;
+        present[rr] = (mk[t / Cfg::kTokensPerWarp] >> (t % Cfg::kTokensPerWarp)) & 1;
+      }
+      float mx[kNarrowCols];
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) mx[jc] = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < kRows / 2; ++e) {
+        const int rr = (e >> 1) & 1, jc = narrow_jc(e);
+        if (!present[rr] || pos0 + tok_lo + 8 * rr > lim[jc]) s[e] = -INFINITY;
+        mx[jc] = fmaxf(mx[jc], s[e]);
+      }
+      float* mine = narrow_max(it & 1, warp);
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) {
+        mx[jc] = column_max(mx[jc]);
+        if (lane < 4) mine[narrow_col(lane, jc)] = mx[jc];
+      }
+      ptx::named_barrier(kNarrowBarrier, 128);
+      float alpha[kNarrowCols], m_use[kNarrowCols];
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) {
+        const int col = narrow_col(lane, jc);
+        float tile_max = narrow_max(it & 1, 0)[col];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) tile_max = fmaxf(tile_max, narrow_max(it & 1, w)[col]);
+        const float m_new = next_max(m[jc], tile_max * p.scale_log2);
+        // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
+        m_use[jc] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[jc] = ptx::exp2_approx(m[jc] - m_use[jc]);
+        m[jc] = m_new;
+      }
+      float sum[kNarrowCols] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < kRows / 2; ++e) {
+        const int jc = narrow_jc(e);
+        s[e] = ptx::exp2_approx(fmaf(s[e], p.scale_log2, -m_use[jc]));
+        sum[jc] += s[e];
+      }
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) l[jc] = l[jc] * alpha[jc] + sum[jc];
+
+      // P^T and the rescale factors into shared memory, once consumer 1 has read the previous
+      // tile's (and consumer 0's own O^T wgmma of it has completed, below).
+      if (it > 0) mbar_wait(p_free_bar(), (it - 1) & 1);
+#pragma unroll
+      for (int e = 0; e < kRows / 2; ++e) {
+        const int n = narrow_col(lane, narrow_jc(e)), t = tok_lo + 8 * ((e >> 1) & 1);
+        const uint32_t off = n * 128 + (((t >> 3) ^ (n & 7)) << 4) + (t & 7) * 2;
+        pt[off / 2] = static_cast<uint16_t>(ptx::pack2<false>(s[e], 0.f));
+      }
+      if (warp == 0 && lane < 4) {
+#pragma unroll
+        for (int jc = 0; jc < kNarrowCols; ++jc) narrow_alpha()[narrow_col(lane, jc)] = alpha[jc];
+      }
+      fence_proxy_async();
+      ptx::named_barrier(kNarrowBarrier, 128);  // all of P^T written before this warpgroup's wgmma
+      ptx::named_barrier_arrive(kPReadyBarrier, 256);
+
+      narrow_rescale(cur, o, alpha);
+      narrow_pv(o, 0, st, cur.first());
+      if (wt == 0) mbar_arrive(empty_bar(st));
+      if (cur.last()) narrow_epilogue(cur, 0, wt, o, m, l);
+      cur.advance(p, end);
+    }
+  }
+
+  // Narrow consumer 1 (warps 12-15): O^T for dims [256, 512) from consumer 0's P^T.
+  __device__ void consumer_narrow_pv() {
+    const int wt = threadIdx.x & 127, lane = wt & 31;
+    const PartStart end = p.parts[blockIdx.x + 1];
+    TileCursor<kT> cur;
+    cur.init(p, end);
+    float o[4][8];
+    float none[kNarrowCols] = {0.f, 0.f, 0.f, 0.f};  // softmax state: consumer 0's
+    for (int it = 0; cur.valid(p); ++it) {
+      const int st = it % Cfg::kStages;
+      mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
+      fence_proxy_async();
+      ptx::named_barrier(kPReadyBarrier, 256);
+      float alpha[kNarrowCols];
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) alpha[jc] = narrow_alpha()[narrow_col(lane, jc)];
+      narrow_rescale(cur, o, alpha);
+      narrow_pv(o, 256, st, cur.first());
+      // P^T has been read (its wgmma completed): consumer 0 may write the next tile's, except
+      // after a pair's last tile, where consumer 1 reads the output factors first.
+      const bool pair_end = cur.last();
+      if (!pair_end) mbar_arrive(p_free_bar());
+      if (wt == 0) mbar_arrive(empty_bar(st));
+      if (pair_end) narrow_epilogue(cur, 256, wt, o, none, none);
+      cur.advance(p, end);
+      if (pair_end && cur.valid(p)) mbar_arrive(p_free_bar());
+    }
+  }
+
+  // Narrow: the pair's output. Consumer 0 (d0 == 0) sums the rows' l over its warps, writes the
+  // lse and each row's output factor; each consumer writes its dims [d0, d0 + 256).
+  __device__ void narrow_epilogue(const TileCursor<kT>& cur, int d0, int wt, float (&o)[4][8],
+                                  const float (&m)[kNarrowCols], float (&l)[kNarrowCols]) {
+    const int lane = wt & 31, warp = wt >> 5;
+    const PairInfo info = p.pairs[cur.pr];
+    int i, sq;
+    pair_coords(p, cur.id, &i, &sq);
+    const bool split = info.nsplit > 1;
+    const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
+    const bool slot_ok = slot >= 0 && slot < p.max_slots;
+    const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    float* factors = narrow_factor();
+    if (d0 == 0) {
+#pragma unroll
+      for (int jc = 0; jc < kNarrowCols; ++jc) {
+        l[jc] = column_sum(l[jc]);
+        if (lane < 4) narrow_sums(warp)[narrow_col(lane, jc)] = l[jc];
+      }
+      ptx::named_barrier(kNarrowBarrier, 128);
+      if (warp == 0 && lane < 4) {
+#pragma unroll
+        for (int jc = 0; jc < kNarrowCols; ++jc) {
+          const int n = narrow_col(lane, jc);
+          float sum_l = narrow_sums(0)[n];
+#pragma unroll
+          for (int w = 1; w < 4; ++w) sum_l += narrow_sums(w)[n];
+          float factor, lse;
+          if (sum_l == 0.f) {  // no valid token: out 0, lse +inf (partial: -inf), sink or not
+            factor = 0.f;
+            lse = split ? -INFINITY : INFINITY;
+          } else if (split) {  // normalized fp32 partial rows + base-2 lse for the combine
+            factor = 1.f / sum_l;
+            lse = m[jc] + log2f(sum_l);
+          } else {
+            lse = (m[jc] + log2f(sum_l)) * 0.693147180559945309f;
+            factor = 1.f / sum_l;
+            if (p.sink != nullptr && n < nrows) {
+              int s, head;
+              row_coords(row0 + n, sq, &s, &head);
+              factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+            }
+          }
+          factors[n] = factor;
+          if (n < nrows) {
+            if (split) {
+              const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + n;
+              if (slot_ok) p.part_lse[prow] = lse;
+            } else {
+              int s, head;
+              row_coords(row0 + n, sq, &s, &head);
+              p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+            }
+          }
+        }
+      }
+      ptx::named_barrier(kNarrowBarrier, 128);  // warp 0's factors, for consumer 0's other warps
+      ptx::named_barrier_arrive(kEpilogueBarrier, 256);
+    } else {
+      ptx::named_barrier(kEpilogueBarrier, 256);
+    }
+#pragma unroll
+    for (int jc = 0; jc < kNarrowCols; ++jc) {
+      const int n = narrow_col(lane, jc);
+      if (n >= nrows) continue;
+      const float factor = factors[n];
+      int s = 0, head = 0;
+      row_coords(row0 + n, sq, &s, &head);
+      const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + n;
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int e = 4 * (jc >> 1) + 2 * rr + (jc & 1);
+          const int dim = d0 + 64 * bb + 16 * warp + (lane >> 2) + 8 * rr;
+          const float v = o[bb][e] * factor;
+          if (split) {
+            if (slot_ok) p.part_out[prow * kDV + dim] = v;
+          } else {
+            p.out[i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] + dim] =
+                static_cast<uint16_t>(ptx::pack2<false>(v, 0.f));
+          }
+        }
+      }
+    }
+  }
+
   // O = alpha O, unless the pair starts (its first P V overwrites O). Once the row maxima
   // settle, most tiles leave them unchanged (alpha exactly 1): skip the multiplies unless a row
   // of the warp moved.
@@ -1162,18 +1472,18 @@ struct Sm90Cta {
 
 #endif  // SPARSE_MLA_SM90_DEVICE
 
-template <Fmt F>
-__global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
+template <Fmt F, int kRowsArg>
+__global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
     sm90_decode_kernel(const __grid_constant__ DecodeParams p,
                        const __grid_constant__ CUtensorMap kv_map, int kv_tma) {
 #if SPARSE_MLA_SM90_DEVICE
   // The combine kernel may start launching now; it waits for this grid before reading partials.
   ptx::launch_dependent_grids();
-  using Cfg = Sm90Config<F>;
+  using Cfg = Sm90Config<F, kRowsArg>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = ptx::smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((1024 - (base & 1023)) & 1023);
-  Sm90Cta<F> cta{p, smem};
+  Sm90Cta<F, kRowsArg> cta{p, smem};
   cta.kv_map = kv_tma ? &kv_map : nullptr;
   cta.kv_policy = ptx::l2_policy(p.rows_per_group <= Cfg::kRows);
   cta.grp = 0;
@@ -1209,7 +1519,15 @@ __global__ void __launch_bounds__(Sm90Config<F>::kThreads, 1)
     }
   } else {
     const int c = (threadIdx.x - Cfg::kProducerThreads) >> 7;
-    if constexpr (Cfg::kSingleS) {
+    if constexpr (Cfg::kNarrow) {
+      if (c == 0) {
+        regs_inc<Cfg::kSRegs>();
+        cta.consumer_narrow_s();
+      } else {
+        regs_inc<Cfg::kPVRegs>();
+        cta.consumer_narrow_pv();
+      }
+    } else if constexpr (Cfg::kSingleS) {
       if (c == 0) {
         regs_inc<Cfg::kSRegs>();
         cta.consumer_s();

@@ -17,10 +17,10 @@
 namespace sparse_mla::cuda::sm90 {
 namespace {
 
-template <Fmt F>
+template <Fmt F, int kRows = 64>
 smxx::decode::KernelEntry entry() {
-  using Cfg = Sm90Config<F>;
-  return smxx::decode::KernelEntry{reinterpret_cast<const void*>(&sm90_decode_kernel<F>),
+  using Cfg = Sm90Config<F, kRows>;
+  return smxx::decode::KernelEntry{reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows>),
                                    Cfg::kThreads, Cfg::kSmemBytes, Cfg::kT, Cfg::kRows};
 }
 
@@ -105,7 +105,7 @@ bool query_usable(int device, std::string* why_not) {
   cudaGetDevice(&old);
   if (old != device) cudaSetDevice(device);
   cudaFuncAttributes attr{};
-  err = cudaFuncGetAttributes(&attr, sm90_decode_kernel<Fmt::kModel1>);
+  err = cudaFuncGetAttributes(&attr, sm90_decode_kernel<Fmt::kModel1, 64>);
   if (old != device) cudaSetDevice(old);
   if (err != cudaSuccess) {
     *why_not = std::string("cudaFuncGetAttributes: ") + cudaGetErrorString(err);
@@ -128,6 +128,17 @@ smxx::decode::KernelEntry kernel_entry(Fmt fmt) {
     case Fmt::kFP16: return entry<Fmt::kFP16>();
   }
   return smxx::decode::KernelEntry{};
+}
+
+smxx::decode::KernelEntry narrow_kernel_entry(Fmt fmt) {
+  switch (fmt) {
+    case Fmt::kModel1:
+      return entry<Fmt::kModel1, 16>();
+    case Fmt::kV32:
+      return entry<Fmt::kV32, 16>();
+    default:
+      return smxx::decode::KernelEntry{};
+  }
 }
 
 }  // namespace sparse_mla::cuda::sm90

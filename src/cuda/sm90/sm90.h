@@ -13,8 +13,11 @@
 
 namespace sparse_mla::cuda::sm90 {
 
-// The wgmma decode kernel for one KV format (64 query rows, 64-token tiles).
+// The wgmma decode kernel for one KV format (64 query rows, 64-token tiles; MODEL1 48).
 smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt);
+// Its narrow form for FP8 formats (16 query rows, 64-token tiles: S^T = K Q^T); fn == nullptr for
+// the 16-bit formats.
+smxx::decode::KernelEntry narrow_kernel_entry(smxx::decode::Fmt fmt);
 
 // Launches the kernel of shape.kernel (from kernel_entry) on the plan in params.
 Status launch_decode(const smxx::decode::DecodeShape& shape,

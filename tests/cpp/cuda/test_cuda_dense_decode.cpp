@@ -124,6 +124,14 @@ std::vector<DenseParam> dense_params() {
     v.push_back({"model1_b3_sq2_h16_strided_q_out_padded_pages", c});
   }
   {
+    // FP8 pages with 16 query rows or fewer a KV head (the Hopper kernel's narrow form): causal
+    // s_q 2 over 8 heads with a long request split over many CTAs, and 2 KV heads of 5 rows.
+    auto c = base(M1, 3, 2, 8, 1, 64, {2500, 70, 1});
+    c.causal = true;
+    v.push_back({"model1_b3_sq2_h8_causal_split", c});
+    v.push_back({"v32_b2_sq1_h10_hkv2_page37", base(V32, 2, 1, 10, 2, 37, {1500, 333})});
+  }
+  {
     // h_kv > 1 with more than 16 query rows a KV head, which the Hopper kernel takes: 2 KV
     // heads x 3 row blocks (64, 64 and 16 of the 144 rows at h_q 96, s_q 3), and one 64-row
     // block a KV head.

@@ -161,22 +161,33 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   }
   // The Hopper kernel computes 64 rows per CTA. With 17-32 rows it still beats the portable
   // 32-row tiles despite the padding (H200, b = 128, h_q 32: sparse MODEL1 C1 97 us against
-  // 126 us, dense bf16 s_k 16384 708 us against 1157 us). With 16 rows or fewer FP8 pages stay
-  // on the portable 16-row tiles (h_q 16, portable against Hopper: sparse MODEL1 C1 74 against
-  // 95 us, dense MODEL1 766 against 912 us, dense V32 820 against 803); 16-bit pages, which the
-  // Hopper kernel loads by TMA, take it at any row count (Hopper against portable, dense bf16
-  // s_k 16384: h_q 16 598 against 696 us, h_q 1 591 against 689). Small
-  // batches (above) finish sooner on 32-row portable CTAs (H200, MODEL1 b = 2: 17-18 us against
-  // 19-21 us on the 6 h_q 64 rows this rule routes; the h_q 128 s_q 2 rows are not small by it
-  // and stay on the Hopper kernel, which is as fast or faster there). Test hook:
-  // SPARSE_MLA_SM90_SMALL_BATCHES=1 keeps small batches on the Hopper kernel, so that the small
-  // shapes of the GPU tests cover it.
+  // 126 us, dense bf16 s_k 16384 708 us against 1157 us). With 16 rows or fewer FP8 pages take
+  // its narrow form (S^T = K Q^T over 16 rows, no padding), which beats the portable 16-row tiles
+  // (H200, h_q 16, b = 128: sparse MODEL1 C1 s_q 2 63.2 us against 70.3; dense s_k 16384 MODEL1
+  // 527 against 729, V32 583 against 797); 16-bit pages, which the Hopper kernel loads by TMA,
+  // take the 64-row CTAs at any row count (Hopper against portable, dense bf16 s_k 16384: h_q 16
+  // 598 against 696 us, h_q 1 591 against 689). Small batches (above) finish sooner on 32-row
+  // portable CTAs (H200, MODEL1 b = 2: 17-18 us against 19-21 us on the 6 h_q 64 rows this rule
+  // routes; the h_q 128 s_q 2 rows are not small by it and stay on the Hopper kernel, which is as
+  // fast or faster there). Test hook: SPARSE_MLA_SM90_SMALL_BATCHES=1 keeps small batches on the
+  // Hopper kernel, so that the small shapes of the GPU tests cover it.
   const char* sm90_small = std::getenv("SPARSE_MLA_SM90_SMALL_BATCHES");
   const bool keep_small = sm90_small != nullptr && std::string(sm90_small) == "1";
   const bool wide = rows_per_group > 16 || fmt == Fmt::kBF16 || fmt == Fmt::kFP16;
-  const bool use_sm90 = sm90 && wide && !force && (!small_batch || keep_small);
+  // The narrow form holds one CTA an SM and starts slower than the portable 16-row tiles, so
+  // small work stays on those: sparse lists of fewer 64-token tiles in all than two per SM, and
+  // dense batches of few (request, KV head) lists, whose lengths are unknown here (H200, h_q 16:
+  // sparse MODEL1 s_q 2 b = 2 14.4 us portable against 18.3 narrow; dense MODEL1 b = 1 s_k 1024
+  // 14.3 against 19.6, b = 8 s_k 1024 18.9 against 21.8 and s_k 8192 38.3 against 37.1).
+  if (!wide) {
+    const int64_t sm_count = dev.sm_count;
+    small_batch = max_len > 0
+                      ? num_pairs * pair_tiles<int64_t>(max_len, 64) * groups < 2 * sm_count
+                      : num_pairs * groups < kNarrowMinDenseLists;
+  }
+  const bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
   if (use_sm90) {
-    k = sm90::kernel_entry(fmt);
+    k = wide ? sm90::kernel_entry(fmt) : sm90::narrow_kernel_entry(fmt);
     if (k.smem_bytes > dev.max_smem_optin) k = KernelEntry{};
   }
   if (k.fn == nullptr) {

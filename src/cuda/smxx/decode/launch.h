@@ -56,8 +56,8 @@ struct DecodeShape {
 
 // rows_per_group / groups / num_pairs / rows_per_pair as in DecodeParams; max_len bounds the
 // tokens of a pair from the shapes alone (0: unknown). sm90: use the Hopper wgmma kernel
-// (src/cuda/sm90/) where it applies: 16-bit pages at any row count, FP8 pages with more than
-// 16 rows per token list except small sparse batches.
+// (src/cuda/sm90/) where it applies: 16-bit pages at any row count, FP8 pages except small
+// batches (64-row CTAs above 16 rows a token list, its narrow 16-row form at or below).
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
                          int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
                          DecodeShape* shape);
@@ -76,6 +76,9 @@ inline constexpr int kMinTokensPerPart = 64;
 // 20.6 us; the same minimum everywhere made dense b=1 s_k 1024 5-11% slower, and a larger one on
 // the portable kernel every portable b=2 row 5-55% slower.
 inline constexpr int kSm90BusyMinTiles = 2;
+// Dense batches with fewer (request, KV head) token lists than this stay on the portable tiles
+// rather than the Hopper kernel's narrow form (make_decode_shape).
+inline constexpr int kNarrowMinDenseLists = 16;
 // What the combine of split pairs costs, in tiles of a part: the planner moves part starts to
 // pair ends (no pair split, nothing to combine) where that lengthens the longest part by at most
 // this much. H200: the combine takes 9-14 us of a call with split pairs at b >= 64
