@@ -181,9 +181,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   // 14.3 against 19.6, b = 8 s_k 1024 18.9 against 21.8 and s_k 8192 38.3 against 37.1).
   if (!wide) {
     const int64_t sm_count = dev.sm_count;
-    small_batch = max_len > 0
-                      ? num_pairs * pair_tiles<int64_t>(max_len, 64) * groups < 2 * sm_count
-                      : num_pairs * groups < kNarrowMinDenseLists;
+    small_batch = max_len > 0 ? num_pairs * pair_tiles<int64_t>(max_len, 64) * groups < 2 * sm_count
+                              : num_pairs * groups < kNarrowMinDenseLists;
   }
   const bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
   if (use_sm90) {
