@@ -683,6 +683,21 @@ struct Sm90Cta {
     mbar_wait(q_full_bar(), cur.seg & 1);
   }
 
+  // A B^T over the d_qk dims, both operands K-major in 64-dim blocks of kABlock / kBBlock bytes:
+  // S = Q K^T, or for narrow CTAs S^T = K Q^T.
+  template <bool kF16, int kN, int kABlock, int kBBlock>
+  __device__ static void dqk_product(float (&d)[kN / 2], uint64_t a_desc, uint64_t b_desc) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
+      const uint32_t a_off = (ks >> 2) * kABlock + (ks & 3) * 32;
+      const uint32_t b_off = (ks >> 2) * kBBlock + (ks & 3) * 32;
+      wgmma_m64nk_kk<kF16, kN>(d, desc_add(a_desc, a_off), desc_add(b_desc, b_off), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+
   // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.
   __device__ void compute_s(float (&s)[kSN / 2], int it, int c, uint32_t q_addr) const {
     const int st = it % Cfg::kStages;
@@ -690,15 +705,7 @@ struct Sm90Cta {
     fence_proxy_async();
     const uint64_t q_desc = sw128_desc(q_addr, 0, 1024);
     const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)) + c * kSN * 128, 0, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
-      const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-      const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
-      wgmma_m64nk_kk<kHalf, kSN>(s, desc_add(q_desc, q_off), desc_add(t_desc, t_off), ks > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    dqk_product<kHalf, kSN, Cfg::kQBlockBytes, Cfg::kBlockBytes>(s, q_desc, t_desc);
   }
 
   // Masks S (invalid tokens, causal limit) and returns the thread's rows' maxima over the quad (a
@@ -1052,6 +1059,57 @@ struct Sm90Cta {
     }
   }
 
+  // Where a pair's output goes: its request i and query token sq, and for a split pair the slot
+  // of this CTA's partial rows.
+  struct PairOut {
+    int i, sq, slot, grow0;
+    bool split, slot_ok;
+  };
+  __device__ PairOut pair_out(const TileCursor<kT>& cur) const {
+    const PairInfo info = p.pairs[cur.pr];
+    PairOut po;
+    pair_coords(p, cur.id, &po.i, &po.sq);
+    po.split = info.nsplit > 1;
+    po.slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
+    po.slot_ok = po.slot >= 0 && po.slot < p.max_slots;
+    po.grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    return po;
+  }
+
+  // Row r's output factor from its maximum m (base 2) and sum l; with `store`, also writes its
+  // lse: a split pair's normalized partial gets the base-2 lse for the combine, any other row the
+  // natural-log lse and, with a sink, the sink's share in its factor. A row without a valid token
+  // gets factor 0 and lse +inf (a partial's -inf), sink or not.
+  __device__ float finish_row(float m, float l, int r, const PairOut& po, bool store) const {
+    float factor, lse;
+    if (l == 0.f) {
+      factor = 0.f;
+      lse = po.split ? -INFINITY : INFINITY;
+    } else if (po.split) {
+      factor = 1.f / l;
+      lse = m + log2f(l);
+    } else {
+      lse = (m + log2f(l)) * 0.693147180559945309f;
+      factor = 1.f / l;
+      if (p.sink != nullptr && r < nrows) {
+        int s, head;
+        row_coords(row0 + r, po.sq, &s, &head);
+        factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+      }
+    }
+    if (store && r < nrows) {
+      if (po.split) {
+        const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
+        if (po.slot_ok) p.part_lse[prow] = lse;
+      } else {
+        int s, head;
+        row_coords(row0 + r, po.sq, &s, &head);
+        p.lse[po.i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
+      }
+    }
+    return factor;
+  }
+
   // ---------------------------------------------------------------- narrow consumers (16 rows)
   //
   // S^T = K Q^T over the tile: M its 64 tokens, N the 16 query rows. A thread's accumulators are
@@ -1151,15 +1209,7 @@ struct Sm90Cta {
       fence_proxy_async();
       const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)), 0, 1024);
       const uint64_t q_desc = sw128_desc(q_addr, 0, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kDqk / 16; ++ks) {
-        const uint32_t t_off = (ks >> 2) * Cfg::kBlockBytes + (ks & 3) * 32;
-        const uint32_t q_off = (ks >> 2) * Cfg::kQBlockBytes + (ks & 3) * 32;
-        wgmma_m64nk_kk<false, kRows>(s, desc_add(t_desc, t_off), desc_add(q_desc, q_off), ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      dqk_product<false, kRows, Cfg::kBlockBytes, Cfg::kQBlockBytes>(s, t_desc, q_desc);
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
       // Mask (absent tokens, causal limits) and the columns' maxima over the tile.
@@ -1269,13 +1319,7 @@ struct Sm90Cta {
   __device__ void narrow_epilogue(const TileCursor<kT>& cur, int d0, int wt, float (&o)[4][8],
                                   const float (&m)[kNarrowCols], float (&l)[kNarrowCols]) {
     const int lane = wt & 31, warp = wt >> 5;
-    const PairInfo info = p.pairs[cur.pr];
-    int i, sq;
-    pair_coords(p, cur.id, &i, &sq);
-    const bool split = info.nsplit > 1;
-    const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
-    const bool slot_ok = slot >= 0 && slot < p.max_slots;
-    const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    const PairOut po = pair_out(cur);
     float* factors = narrow_factor();
     if (d0 == 0) {
 #pragma unroll
@@ -1291,33 +1335,7 @@ struct Sm90Cta {
           float sum_l = narrow_sums(0)[n];
 #pragma unroll
           for (int w = 1; w < 4; ++w) sum_l += narrow_sums(w)[n];
-          float factor, lse;
-          if (sum_l == 0.f) {  // no valid token: out 0, lse +inf (partial: -inf), sink or not
-            factor = 0.f;
-            lse = split ? -INFINITY : INFINITY;
-          } else if (split) {  // normalized fp32 partial rows + base-2 lse for the combine
-            factor = 1.f / sum_l;
-            lse = m[jc] + log2f(sum_l);
-          } else {
-            lse = (m[jc] + log2f(sum_l)) * 0.693147180559945309f;
-            factor = 1.f / sum_l;
-            if (p.sink != nullptr && n < nrows) {
-              int s, head;
-              row_coords(row0 + n, sq, &s, &head);
-              factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
-            }
-          }
-          factors[n] = factor;
-          if (n < nrows) {
-            if (split) {
-              const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + n;
-              if (slot_ok) p.part_lse[prow] = lse;
-            } else {
-              int s, head;
-              row_coords(row0 + n, sq, &s, &head);
-              p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
-            }
-          }
+          factors[n] = finish_row(m[jc], sum_l, n, po, true);
         }
       }
       ptx::named_barrier(kNarrowBarrier, 128);  // warp 0's factors, for consumer 0's other warps
@@ -1331,8 +1349,8 @@ struct Sm90Cta {
       if (n >= nrows) continue;
       const float factor = factors[n];
       int s = 0, head = 0;
-      row_coords(row0 + n, sq, &s, &head);
-      const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + n;
+      row_coords(row0 + n, po.sq, &s, &head);
+      const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + n;
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb) {
 #pragma unroll
@@ -1340,10 +1358,10 @@ struct Sm90Cta {
           const int e = 4 * (jc >> 1) + 2 * rr + (jc & 1);
           const int dim = d0 + 64 * bb + 16 * warp + (lane >> 2) + 8 * rr;
           const float v = o[bb][e] * factor;
-          if (split) {
-            if (slot_ok) p.part_out[prow * kDV + dim] = v;
+          if (po.split) {
+            if (po.slot_ok) p.part_out[prow * kDV + dim] = v;
           } else {
-            p.out[i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] + dim] =
+            p.out[po.i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] + dim] =
                 static_cast<uint16_t>(ptx::pack2<false>(v, 0.f));
           }
         }
@@ -1388,48 +1406,14 @@ struct Sm90Cta {
                            const float (&m)[2], const float (&l)[2]) {
     const int lane = wt & 31;
     float* factors = exch(kFactor);
-    const PairInfo info = p.pairs[cur.pr];
-    int i, sq;
-    pair_coords(p, cur.id, &i, &sq);
-    const bool split = info.nsplit > 1;
-    const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
-    const bool slot_ok = slot >= 0 && slot < p.max_slots;
-    const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    const PairOut po = pair_out(cur);
     float row_factor[2];
     if (d0 == 0) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
-        float& factor = row_factor[rr];
-        float lse;
-        if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf (partial: -inf), sink or not
-          factor = 0.f;
-          lse = split ? -INFINITY : INFINITY;
-        } else if (split) {  // normalized fp32 partial rows + base-2 lse for the combine
-          factor = 1.f / l[rr];
-          lse = m[rr] + log2f(l[rr]);
-        } else {
-          lse = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
-          factor = 1.f / l[rr];
-          if (p.sink != nullptr && r < nrows) {
-            int s, head;
-            row_coords(row0 + r, sq, &s, &head);
-            factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
-          }
-        }
-        if ((lane & 3) == 0) {
-          factors[r] = factor;
-          if (r < nrows) {
-            if (split) {
-              const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
-              if (slot_ok) p.part_lse[prow] = lse;
-            } else {
-              int s, head;
-              row_coords(row0 + r, sq, &s, &head);
-              p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
-            }
-          }
-        }
+        row_factor[rr] = finish_row(m[rr], l[rr], r, po, (lane & 3) == 0);
+        if ((lane & 3) == 0) factors[r] = row_factor[rr];
       }
     }
     // Consumer 0 goes on at once: it writes the next factors only after consumer 1 has read
@@ -1446,9 +1430,9 @@ struct Sm90Cta {
       const int r = r_lo + 8 * rr;
       if (r >= nrows) continue;
       const float factor = row_factor[rr];
-      if (split) {
-        if (!slot_ok) continue;
-        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
+      if (po.split) {
+        if (!po.slot_ok) continue;
+        const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
         float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
@@ -1457,9 +1441,9 @@ struct Sm90Cta {
         }
       } else {
         int s, head;
-        row_coords(row0 + r, sq, &s, &head);
-        uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
-                        d0 + 2 * (lane & 3);
+        row_coords(row0 + r, po.sq, &s, &head);
+        uint16_t* dst = p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
+                        head * p.out_stride[2] + d0 + 2 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
           *reinterpret_cast<uint32_t*>(dst + j * 8) =

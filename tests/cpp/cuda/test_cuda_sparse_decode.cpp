@@ -88,31 +88,25 @@ std::vector<SparseParam> sparse_params() {
   }
   for (KVFormat f : {M1, V32}) {
     // Two 64-row blocks a token list (h_q 128; MODEL1: the Hopper kernel's S over whole 48-token
-    // tiles; V32: the rows FlashMLA's Hopper kernel runs without lengths or an extra cache):
-    // lengths, sinks, -1 and out-of-range indices, a split list, a second block of 36 rows
-    // (h_q 100) and a sharp softmax.
+    // tiles; V32: the rows FlashMLA's Hopper kernel runs without lengths or an extra cache) and
+    // 16 rows or fewer (h_q 16 and 5: the Hopper kernel's narrow form): lengths, sinks, -1 and
+    // out-of-range indices, split lists, a second block of 36 rows (h_q 100) and a sharp softmax.
     const std::string fmt = f == M1 ? "model1" : "v32";
-    auto c = with_extra(base(f, 3, 2, 128, 300, 61), 70, 2);
-    c.use_topk_length = c.use_extra_topk_length = true;
-    c.use_sink = true;
-    c.index.invalid_fraction = 0.1;
-    c.index.out_of_range_fraction = 0.1;
-    v.push_back({"b3_sq2_h128_" + fmt + "_extra_lengths_sink_bad_indices", c});
-    auto d = with_extra(base(f, 1, 1, 128, 3000, 64), 1000, 2);
-    d.use_sink = true;
-    v.push_back({"b1_sq1_h128_" + fmt + "_topk3000_extra1000_split", d});
+    for (int h_q : {128, 16}) {
+      auto c = with_extra(base(f, 3, 2, h_q, 300, 61), 70, 2);
+      c.use_topk_length = c.use_extra_topk_length = true;
+      c.use_sink = true;
+      c.index.invalid_fraction = 0.1;
+      c.index.out_of_range_fraction = 0.1;
+      v.push_back(
+          {"b3_sq2_h" + std::to_string(h_q) + "_" + fmt + "_extra_lengths_sink_bad_indices", c});
+    }
+    for (int h_q : {128, 5}) {
+      auto d = with_extra(base(f, 1, 1, h_q, 3000, 64), 1000, 2);
+      d.use_sink = true;
+      v.push_back({"b1_sq1_h" + std::to_string(h_q) + "_" + fmt + "_topk3000_extra1000_split", d});
+    }
     v.push_back({"b2_sq2_h100_" + fmt, with_extra(base(f, 2, 2, 100, 150, 64), 40, 2)});
-    // 16 rows or fewer a token list (the Hopper kernel's narrow form): the same corner cases at
-    // h_q 16, and a split list at h_q 5.
-    auto n = with_extra(base(f, 3, 2, 16, 300, 61), 70, 2);
-    n.use_topk_length = n.use_extra_topk_length = true;
-    n.use_sink = true;
-    n.index.invalid_fraction = 0.1;
-    n.index.out_of_range_fraction = 0.1;
-    v.push_back({"b3_sq2_h16_" + fmt + "_extra_lengths_sink_bad_indices", n});
-    auto m = with_extra(base(f, 1, 1, 5, 3000, 64), 1000, 2);
-    m.use_sink = true;
-    v.push_back({"b1_sq1_h5_" + fmt + "_topk3000_extra1000_split", m});
     auto e = base(f, 8, 2, 128, 1000, 64);
     e.softmax_scale = 30.f;
     v.push_back({"b8_sq2_h128_" + fmt + "_topk1000_sharp_scale", e});
