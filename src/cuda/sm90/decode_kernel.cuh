@@ -87,10 +87,11 @@ struct Sm90Config {
   // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
   // wgmma). V32's producers convert from registers and need 80, so its consumers split the
   // tile's tokens and the output dims evenly (176 registers each).
-  // Narrow CTAs split by role too: consumer 0 computes S^T, the softmax and O^T for output dims
-  // [0, 256), consumer 1 O^T for [256, 512); their accumulators are small.
+  // Narrow CTAs split by role too, with the same output dims a consumer: consumer 0 computes
+  // S^T, the softmax and O^T for [0, 128), consumer 1 O^T for [128, 512) (with [0, 256) each,
+  // consumer 0 was the slower one: variant 109); their accumulators are small.
   static constexpr bool kSingleS = !Traits::kFP8 || kStaged || kNarrow;
-  static constexpr int kDimsS = kSingleS && !kNarrow ? 128 : 256;
+  static constexpr int kDimsS = kSingleS ? 128 : 256;
   static constexpr int kProducerRegs = kStaged ? 72 : (kSingleS && !kNarrow ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
   static constexpr int kPVRegs =
@@ -1178,7 +1179,7 @@ struct Sm90Cta {
   }
 
   // Narrow consumer 0 (warps 8-11): S^T, the softmax, P^T and the rows' rescale factors into
-  // shared memory, and O^T for dims [0, 256).
+  // shared memory, and O^T for dims [0, kDimsS).
   __device__ void consumer_narrow_s() {
     const int wt = threadIdx.x & 127, lane = wt & 31, warp = wt >> 5;
     const int tok_lo = 16 * warp + (lane >> 2);
@@ -1188,7 +1189,7 @@ struct Sm90Cta {
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;
     cur.init(p, end);
-    float o[4][8];
+    float o[kDimsS / 64][8];
     float m[kNarrowCols], l[kNarrowCols];
     int lim[kNarrowCols];
     for (int it = 0; cur.valid(p); ++it) {
@@ -1280,18 +1281,18 @@ struct Sm90Cta {
       narrow_rescale(cur, o, alpha);
       narrow_pv(o, 0, st, cur.first());
       if (wt == 0) mbar_arrive(empty_bar(st));
-      if (cur.last()) narrow_epilogue(cur, 0, wt, o, m, l);
+      if (cur.last()) narrow_epilogue<0>(cur, wt, o, m, l);
       cur.advance(p, end);
     }
   }
 
-  // Narrow consumer 1 (warps 12-15): O^T for dims [256, 512) from consumer 0's P^T.
+  // Narrow consumer 1 (warps 12-15): O^T for dims [kDimsS, 512) from consumer 0's P^T.
   __device__ void consumer_narrow_pv() {
     const int wt = threadIdx.x & 127, lane = wt & 31;
     const PartStart end = p.parts[blockIdx.x + 1];
     TileCursor<kT> cur;
     cur.init(p, end);
-    float o[4][8];
+    float o[(kDV - kDimsS) / 64][8];
     float none[kNarrowCols] = {0.f, 0.f, 0.f, 0.f};  // softmax state: consumer 0's
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
@@ -1302,26 +1303,27 @@ struct Sm90Cta {
 #pragma unroll
       for (int jc = 0; jc < kNarrowCols; ++jc) alpha[jc] = narrow_alpha()[narrow_col(lane, jc)];
       narrow_rescale(cur, o, alpha);
-      narrow_pv(o, 256, st, cur.first());
+      narrow_pv(o, kDimsS, st, cur.first());
       // P^T has been read (its wgmma completed): consumer 0 may write the next tile's, except
       // after a pair's last tile, where consumer 1 reads the output factors first.
       const bool pair_end = cur.last();
       if (!pair_end) mbar_arrive(p_free_bar());
       if (wt == 0) mbar_arrive(empty_bar(st));
-      if (pair_end) narrow_epilogue(cur, 256, wt, o, none, none);
+      if (pair_end) narrow_epilogue<kDimsS>(cur, wt, o, none, none);
       cur.advance(p, end);
       if (pair_end && cur.valid(p)) mbar_arrive(p_free_bar());
     }
   }
 
-  // Narrow: the pair's output. Consumer 0 (d0 == 0) sums the rows' l over its warps, writes the
-  // lse and each row's output factor; each consumer writes its dims [d0, d0 + 256).
-  __device__ void narrow_epilogue(const TileCursor<kT>& cur, int d0, int wt, float (&o)[4][8],
+  // Narrow: the pair's output. Consumer 0 (kD0 == 0) sums the rows' l over its warps, writes the
+  // lse and each row's output factor; each consumer writes its dims [kD0, kD0 + 64 kBlocks).
+  template <int kD0, int kBlocks>
+  __device__ void narrow_epilogue(const TileCursor<kT>& cur, int wt, float (&o)[kBlocks][8],
                                   const float (&m)[kNarrowCols], float (&l)[kNarrowCols]) {
     const int lane = wt & 31, warp = wt >> 5;
     const PairOut po = pair_out(cur);
     float* factors = narrow_factor();
-    if (d0 == 0) {
+    if constexpr (kD0 == 0) {
 #pragma unroll
       for (int jc = 0; jc < kNarrowCols; ++jc) {
         l[jc] = column_sum(l[jc]);
@@ -1352,11 +1354,11 @@ struct Sm90Cta {
       row_coords(row0 + n, po.sq, &s, &head);
       const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + n;
 #pragma unroll
-      for (int bb = 0; bb < 4; ++bb) {
+      for (int bb = 0; bb < kBlocks; ++bb) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int e = 4 * (jc >> 1) + 2 * rr + (jc & 1);
-          const int dim = d0 + 64 * bb + 16 * warp + (lane >> 2) + 8 * rr;
+          const int dim = kD0 + 64 * bb + 16 * warp + (lane >> 2) + 8 * rr;
           const float v = o[bb][e] * factor;
           if (po.split) {
             if (po.slot_ok) p.part_out[prow * kDV + dim] = v;
