@@ -6,8 +6,9 @@
 # 'Cuda*:*/Cuda*'). SANITIZE_TOOLS overrides the tool list. Exits non-zero if any tool reports
 # an error or a test fails or skips under it (a skip there means the GPU was not seen), except
 # racecheck's known report on the Hopper kernel's stage valid bits (docs/robustness.md: a
-# consumer's read in mask_and_max against a producer's later write, ordered through barriers
-# racecheck does not follow), which is counted and named in the summary; any other hazard fails.
+# consumer's read in mask_and_max or consumer_narrow_s against a producer's later write, ordered
+# through barriers racecheck does not follow), which is counted and named in the summary; any
+# other hazard fails.
 set -uo pipefail
 
 target=${1:-build}
@@ -33,10 +34,11 @@ mkdir -p "$out"
 summary=$out/sanitize_summary.txt
 
 # Racecheck hazards (hazard report mode, all printed) whose two accesses are the Hopper kernel's
-# known pair: a read in mask_and_max and a write in producer() or convert_raw().
+# known pair: a read in mask_and_max or consumer_narrow_s and a write in producer() or
+# convert_raw().
 known_valid_bit_hazards() {
   awk '
-    function close_one() { if (open && r ~ /::mask_and_max\(/ && w ~ /::(producer|convert_raw)\(/) n++ }
+    function close_one() { if (open && r ~ /::(mask_and_max|consumer_narrow_s)\(/ && w ~ /::(producer|convert_raw)\(/) n++ }
     /hazard detected/ { close_one(); open = 1; r = ""; w = "" }
     /Read Thread/ { r = $0 }
     /Write Thread/ { w = $0 }
