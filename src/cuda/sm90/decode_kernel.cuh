@@ -92,9 +92,12 @@ struct Sm90Config {
   // consumer 0 was the slower one: variant 109); their accumulators are small.
   static constexpr bool kSingleS = !Traits::kFP8 || kStaged || kNarrow;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
-  // Narrow consumers need few registers, so narrow producers get 96 (variant 110: at 72 / 80
-  // they were 2-4% slower).
-  static constexpr int kProducerRegs = kNarrow ? 96 : kStaged ? 72 : (kSingleS ? 56 : 80);
+  // Narrow consumers need few registers, so narrow producers get more: 128 on MODEL1 pages, 96
+  // on V32 pages (variants 110, 111: MODEL1 at 72 / 96 was 2-5% slower, V32 at 80 4% and at
+  // 112 / 128 4-5% slower).
+  static constexpr int kProducerRegs = kNarrow   ? (kStaged ? 128 : 96)
+                                       : kStaged ? 72
+                                                 : (kSingleS ? 56 : 80);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
   static constexpr int kPVRegs =
       kNarrow ? 256 - kProducerRegs : (kSingleS ? 232 : 256 - kProducerRegs);
