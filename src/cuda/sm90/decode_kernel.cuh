@@ -87,9 +87,9 @@ struct Sm90Config {
   // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
   // wgmma). V32's producers convert from registers and need 80, so its consumers split the
   // tile's tokens and the output dims evenly (176 registers each).
-  // Narrow CTAs split by role too, with the same output dims a consumer: consumer 0 computes
-  // S^T, the softmax and O^T for [0, 128), consumer 1 O^T for [128, 512) (with [0, 256) each,
-  // consumer 0 was the slower one: variant 109); their accumulators are small.
+  // Narrow CTAs split by role and output dims the same way: consumer 0 computes S^T, the
+  // softmax and O^T for [0, 128), consumer 1 O^T for [128, 512) (with 256 dims each, consumer 0
+  // was the slower one: variant 109); their accumulators are small.
   static constexpr bool kSingleS = !Traits::kFP8 || kStaged || kNarrow;
   static constexpr int kDimsS = kSingleS ? 128 : 256;
   // Narrow consumers need few registers, so narrow producers get more: 128 on MODEL1 pages, 96
