@@ -1161,7 +1161,8 @@ struct Sm90Cta {
       for (int bb = 0; bb < kBlocks; ++bb) {
         const uint64_t v_desc = sw128_desc(
             t_addr + (d0 / 64 + bb) * Cfg::kBlockBytes + kk * 16 * 128, Cfg::kBlockBytes, 1024);
-        wgmma_m64n16_mk(o[bb], v_desc, desc_add(pt_desc, kk * 32), kk > 0 || !overwrite);
+        // A: a 64-dim block of V, MN-major (its rows are the tokens, K); B: the P^T rows.
+        wgmma_m64n16<1>(o[bb], v_desc, desc_add(pt_desc, kk * 32), kk > 0 || !overwrite);
       }
     }
     wgmma_commit();

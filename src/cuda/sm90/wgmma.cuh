@@ -136,6 +136,20 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
   return desc + (bytes >> 4);
 }
 
+// D[64 x 16] (fp32) += A[64 x 16] * B[16 x 16] in bf16, both from shared memory, B K-major and
+// A K-major (kTransA 0) or MN-major (1). accumulate == 0 overwrites D.
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n16(float (&d)[8], uint64_t a, uint64_t b,
+                                             int accumulate) {
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, "
+      "%9, acc, 1, 1, %11, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
+}
+
 // D[64 x N] (fp32) += A[64 x 16] * B[16 x N], the S tiles of the decode kernel: N = 32 (V32) and
 // 48 (MODEL1) in bf16, 64 (16-bit pages) in bf16 or fp16, and a narrow CTA's S^T (N = 16 query
 // rows, bf16); A and B from shared memory, both K-major. accumulate == 0 overwrites D.
@@ -145,13 +159,7 @@ __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, ui
   static_assert(((N == 16 || N == 32 || N == 48) && !kHalf) || N == 64,
                 "the S tile widths of the decode kernel");
   if constexpr (N == 16) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-        "%8, %9, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7])
-        : "l"(a), "l"(b), "r"(accumulate));
+    wgmma_m64n16<0>(d, a, b, accumulate);
   } else if constexpr (N == 32) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
@@ -177,20 +185,6 @@ __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, ui
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
   }
-}
-
-// D[64 x 16] (fp32) += A[64 x 16] * B[16 x 16] in bf16, A MN-major and B K-major, both from
-// shared memory: a narrow CTA's O^T = V^T P^T, A a 64-dim block of the tile's V (its rows are the
-// tokens, K) and B the P^T rows (N = 16 query rows). accumulate == 0 overwrites D.
-__device__ __forceinline__ void wgmma_m64n16_mk(float (&d)[8], uint64_t a, uint64_t b,
-                                                int accumulate) {
-  asm volatile(
-      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, "
-      "%9, acc, 1, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // D[64 x 128] (fp32) += A[64 x 16] * B[16 x 128], A and B from shared memory, B MN-major; D is
