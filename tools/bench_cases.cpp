@@ -219,9 +219,10 @@ std::vector<Case> all_cases() {
     add(c);
   }
 
-  // DeepSeek-V3.2: d_qk 576, topk 2048, 64-token pages, s_k 32768, one cache.
+  // DeepSeek-V3.2: d_qk 576, topk 2048, 64-token pages, s_k 32768, one cache; h_q 32 and 16 are
+  // its tensor-parallel shards of 4 and 8 GPUs.
   for (int64_t s_q : {2, 1}) {
-    for (int64_t h_q : {128, 64, 16}) {
+    for (int64_t h_q : {128, 64, 32, 16}) {
       for (int64_t b : {2, 64, 128}) {
         Case c;
         c.name = fmt("v32/h%lld/sq%lld/b%lld", (long long)h_q, (long long)s_q, (long long)b);
