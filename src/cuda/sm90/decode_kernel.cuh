@@ -1511,21 +1511,21 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
     }
   } else {
     const int c = (threadIdx.x - Cfg::kProducerThreads) >> 7;
-    if constexpr (Cfg::kNarrow) {
+    if constexpr (Cfg::kSingleS) {  // narrow CTAs too: consumer 0 S (S^T), consumer 1 P V
       if (c == 0) {
         regs_inc<Cfg::kSRegs>();
-        cta.consumer_narrow_s();
+        if constexpr (Cfg::kNarrow) {
+          cta.consumer_narrow_s();
+        } else {
+          cta.consumer_s();
+        }
       } else {
         regs_inc<Cfg::kPVRegs>();
-        cta.consumer_narrow_pv();
-      }
-    } else if constexpr (Cfg::kSingleS) {
-      if (c == 0) {
-        regs_inc<Cfg::kSRegs>();
-        cta.consumer_s();
-      } else {
-        regs_inc<Cfg::kPVRegs>();
-        cta.consumer_pv();
+        if constexpr (Cfg::kNarrow) {
+          cta.consumer_narrow_pv();
+        } else {
+          cta.consumer_pv();
+        }
       }
     } else {
       regs_inc<Cfg::kSRegs>();
