@@ -88,6 +88,10 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void prefetch_l2(const void* gmem) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
+// ... and L1 (for a later load of this thread's SM).
+__device__ __forceinline__ void prefetch_l1(const void* gmem) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(gmem));
+}
 
 // Barrier over `threads` threads (a multiple of 32) of the CTA; id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier(int id, int threads) {

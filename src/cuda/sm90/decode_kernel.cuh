@@ -676,6 +676,46 @@ struct Sm90Cta {
 
   // ---------------------------------------------------------------- consumers (warps 8-15)
 
+  // Where a pair's output goes: its request i and query token sq, and for a split pair the slot
+  // of this CTA's partial rows.
+  struct PairOut {
+    int i, sq, slot, grow0;
+    bool split, slot_ok;
+  };
+  // The plan's split of a pair, read at its first tile: the load then completes during the pair's
+  // tiles instead of on the chain from its last tile to the next pair's first (sm90_notes.md,
+  // variant 121).
+  struct PairSplit {
+    int first_part, nsplit, slot;
+  };
+  __device__ PairSplit load_split(const TileCursor<kT>& cur) const {
+    const PairInfo* info = p.pairs + cur.pr;
+    return PairSplit{info->first_part, info->nsplit, info->slot};
+  }
+  __device__ PairOut pair_out(const TileCursor<kT>& cur, const PairSplit& ps) const {
+    PairOut po;
+    pair_coords(p, cur.id, &po.i, &po.sq);
+    po.split = ps.nsplit > 1;
+    po.slot = ps.slot + (static_cast<int>(blockIdx.x) - ps.first_part);
+    po.slot_ok = po.slot >= 0 && po.slot < p.max_slots;
+    po.grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+    return po;
+  }
+  // The sink logit of query row r of the CTA, 0 without sinks or for a padding row. The same for
+  // every pair (sparse rows are heads, a dense group's rows repeat its heads), so the single-S
+  // consumer reads it once.
+  __device__ float row_sink(int r) const {
+    if (p.sink == nullptr || r >= nrows) return 0.f;
+    int s, head;
+    row_coords(row0 + r, 0, &s, &head);
+    return p.sink[head * p.sink_stride];
+  }
+  // A pair's row that ends in this CTA's last tile of it asks for the next pair's plan entry
+  // early: the cursor reads it at the pair change, on the consumers' chain.
+  __device__ void prefetch_next_pair(const TileCursor<kT>& cur) const {
+    if (cur.pr + 1 < p.num_pairs) ptx::prefetch_l1(p.pairs + cur.pr + 1);
+  }
+
   // A pair's softmax state, once its Q has landed.
   __device__ void start_pair(const TileCursor<kT>& cur, int r_lo, float (&m)[2], float (&l)[2],
                              int (&lim)[2]) const {
@@ -813,11 +853,14 @@ struct Sm90Cta {
     float o[128];
     float m[2], l[2];
     int lim[2];
+    PairSplit ps{};
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
+      if (cur.last()) prefetch_next_pair(cur);
       if (cur.first()) {
 #pragma unroll
         for (int e = 0; e < 128; ++e) o[e] = 0.f;
+        ps = load_split(cur);
         start_pair(cur, r_lo, m, l, lim);
       }
       float s[kSN / 2];
@@ -863,14 +906,14 @@ struct Sm90Cta {
       wgmma_commit();
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
-      if (cur.last()) epilogue_half(cur, c, wt, r_lo, o, m, l);
+      if (cur.last()) epilogue_half(cur, ps, c, wt, r_lo, o, m, l);
       cur.advance(p, end);
     }
   }
 
   // V32 pages: the pair's output from consumer c's dims, after the two add their row sums.
-  __device__ void epilogue_half(const TileCursor<kT>& cur, int c, int wt, int r_lo, float (&o)[128],
-                           const float (&m)[2], float (&l)[2]) {
+  __device__ void epilogue_half(const TileCursor<kT>& cur, const PairSplit& ps, int c, int wt,
+                                int r_lo, float (&o)[128], const float (&m)[2], float (&l)[2]) {
     const int lane = wt & 31;
     float* row_sum = exch(kFactor);
 #pragma unroll
@@ -885,14 +928,14 @@ struct Sm90Cta {
       const int r = r_lo + 8 * rr;
       l[rr] = row_sum[r] + row_sum[kRows + r];  // same order in both consumers
     }
-    const PairInfo info = p.pairs[cur.pr];
-    int i, sq;
-    pair_coords(p, cur.id, &i, &sq);
-    if (info.nsplit <= 1) {
+    const PairOut po = pair_out(cur, ps);
+    const int i = po.i, sq = po.sq;
+    if (!po.split) {
+      // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
-        if (r >= nrows) continue;
+        const bool live = r < nrows;
         int s, head;
         row_coords(row0 + r, sq, &s, &head);
         float factor, lse;
@@ -902,24 +945,21 @@ struct Sm90Cta {
         } else {
           lse = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
           factor = 1.f / l[rr];
-          if (p.sink != nullptr) factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
+          if (p.sink != nullptr) factor *= 1.f / (1.f + expf(row_sink(r) - lse));
         }
-        uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
-                        c * 256 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<uint32_t*>(dst + j * 8) =
-              ptx::pack2<kHalf>(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+        if (__any_sync(0xffffffffu, live)) {  // the same for the warp
+          store_row_16bit(p.out + i * p.out_stride[0] + s * p.out_stride[1] +
+                              head * p.out_stride[2] + c * 256,
+                          o, rr, factor, lane, live);
         }
-        if (c == 0 && (lane & 3) == 0) {
+        if (live && c == 0 && (lane & 3) == 0) {
           p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
         }
       }
     } else {
       // Partial output of a split pair: normalized fp32 rows + base-2 lse for the combine.
-      const int slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
-      if (slot < 0 || slot >= p.max_slots) return;
-      const int grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
+      if (!po.slot_ok) return;
+      const int slot = po.slot, grow0 = po.grow0;
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
@@ -962,9 +1002,15 @@ struct Sm90Cta {
     float o[kDimsS / 2];
     float m[2], l[2];
     int lim[2];
+    const float sink[2] = {row_sink(r_lo), row_sink(r_lo + 8)};
+    PairSplit ps{};
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
-      if (cur.first()) start_pair(cur, r_lo, m, l, lim);
+      if (cur.first()) {
+        ps = load_split(cur);
+        start_pair(cur, r_lo, m, l, lim);
+      }
+      if (cur.last()) prefetch_next_pair(cur);
       float s[kSN / 2];
       compute_s(s, it, 0, q_addr);
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
@@ -1014,7 +1060,7 @@ struct Sm90Cta {
         float l_row[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) l_row[rr] = quad_sum(l[rr]);
-        epilogue(cur, 0, wt, r_lo, o, m, l_row);
+        epilogue(cur, ps, 0, wt, r_lo, o, m, l_row, sink);
       }
       cur.advance(p, end);
     }
@@ -1032,9 +1078,12 @@ struct Sm90Cta {
     TileCursor<kT> cur;
     cur.init(p, end);
     float o[(kDV - kDimsS) / 2];
-    const float none[2] = {0.f, 0.f};  // softmax state: consumer 0's (the epilogue gets it)
+    const float none[2] = {0.f, 0.f};  // softmax state and sinks: consumer 0's
+    PairSplit ps{};
     for (int it = 0; cur.valid(p); ++it) {
       const int st = it % Cfg::kStages;
+      if (cur.first()) ps = load_split(cur);
+      if (cur.last()) prefetch_next_pair(cur);
       mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
@@ -1059,34 +1108,60 @@ struct Sm90Cta {
       if (!pair_end) mbar_arrive(p_free_bar());
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_bar(st));
-      if (pair_end) epilogue(cur, kDimsS, wt, r_lo, o, none, none);
+      if (pair_end) epilogue(cur, ps, kDimsS, wt, r_lo, o, none, none, none);
       cur.advance(p, end);
       if (pair_end && cur.valid(p)) mbar_arrive(p_free_bar());
     }
   }
 
-  // Where a pair's output goes: its request i and query token sq, and for a split pair the slot
-  // of this CTA's partial rows.
-  struct PairOut {
-    int i, sq, slot, grow0;
-    bool split, slot_ok;
-  };
-  __device__ PairOut pair_out(const TileCursor<kT>& cur) const {
-    const PairInfo info = p.pairs[cur.pr];
-    PairOut po;
-    pair_coords(p, cur.id, &po.i, &po.sq);
-    po.split = info.nsplit > 1;
-    po.slot = info.slot + (static_cast<int>(blockIdx.x) - info.first_part);
-    po.slot_ok = po.slot >= 0 && po.slot < p.max_slots;
-    po.grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
-    return po;
+  // A 16-bit output row from the accumulator layout, where lane q of a quad holds columns
+  // 8 j + 2 q and 8 j + 2 q + 1 of the quad's row for every j: the quad exchanges its words so
+  // that lane q holds 8-column block 4 g + q of blocks 4 g .. 4 g + 3, and one 16-byte store a
+  // lane writes 64 contiguous bytes of the row for the quad. A word a lane and j took four times
+  // the store instructions, which held up the load/store unit, and with it the producers'
+  // shared-memory traffic, for thousands of cycles at every pair's end (sm90_notes.md,
+  // variant 121). Every lane of the warp must call; `store` (the same in a quad) says whether
+  // the quad's row is written.
+  template <int kRegs>
+  __device__ static void store_row_16bit(uint16_t* row, const float (&o)[kRegs], int rr,
+                                         float factor, int lane, bool store) {
+    static_assert(kRegs % 16 == 0, "whole groups of four 8-column blocks");
+    const int q = lane & 3;
+    const bool odd = q & 1, hi = q & 2;
+#pragma unroll
+    for (int g = 0; g < kRegs / 16; ++g) {
+      uint32_t w[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int e = 4 * (4 * g + c) + 2 * rr;
+        w[c] = ptx::pack2<kHalf>(o[e] * factor, o[e + 1] * factor);
+      }
+      // Lanes q and q ^ 1 swap the blocks of the other one's parity: each then holds blocks
+      // odd and odd + 2 for rows q and q ^ 1.
+      const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+      const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+      const uint32_t a = odd ? w[1] : w[0], b = odd ? w[3] : w[2];
+      // Lanes q and q ^ 2 swap what the other one's block needs: u[t] is then row q ^ t of
+      // block q.
+      const uint32_t s0 = __shfl_xor_sync(0xffffffffu, hi ? a : b, 2);
+      const uint32_t s1 = __shfl_xor_sync(0xffffffffu, hi ? r0 : r1, 2);
+      const uint32_t u[4] = {hi ? b : a, hi ? r1 : r0, s0, s1};
+      // Word k of the block is row k's: u[k ^ q].
+      const uint32_t x0 = odd ? u[1] : u[0], x1 = odd ? u[0] : u[1];
+      const uint32_t x2 = odd ? u[3] : u[2], x3 = odd ? u[2] : u[3];
+      if (store) {
+        *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) =
+            hi ? make_uint4(x2, x3, x0, x1) : make_uint4(x0, x1, x2, x3);
+      }
+    }
   }
 
   // Row r's output factor from its maximum m (base 2) and sum l; with `store`, also writes its
   // lse: a split pair's normalized partial gets the base-2 lse for the combine, any other row the
   // natural-log lse and, with a sink, the sink's share in its factor. A row without a valid token
   // gets factor 0 and lse +inf (a partial's -inf), sink or not.
-  __device__ float finish_row(float m, float l, int r, const PairOut& po, bool store) const {
+  __device__ float finish_row(float m, float l, int r, const PairOut& po, bool store,
+                              float sink) const {
     float factor, lse;
     if (l == 0.f) {
       factor = 0.f;
@@ -1097,11 +1172,7 @@ struct Sm90Cta {
     } else {
       lse = (m + log2f(l)) * 0.693147180559945309f;
       factor = 1.f / l;
-      if (p.sink != nullptr && r < nrows) {
-        int s, head;
-        row_coords(row0 + r, po.sq, &s, &head);
-        factor *= 1.f / (1.f + expf(p.sink[head * p.sink_stride] - lse));
-      }
+      if (p.sink != nullptr && r < nrows) factor *= 1.f / (1.f + expf(sink - lse));
     }
     if (store && r < nrows) {
       if (po.split) {
@@ -1327,7 +1398,7 @@ struct Sm90Cta {
   __device__ void narrow_epilogue(const TileCursor<kT>& cur, int wt, float (&o)[kBlocks][8],
                                   const float (&m)[kNarrowCols], float (&l)[kNarrowCols]) {
     const int lane = wt & 31, warp = wt >> 5;
-    const PairOut po = pair_out(cur);
+    const PairOut po = pair_out(cur, load_split(cur));
     float* factors = narrow_factor();
     if constexpr (kD0 == 0) {
 #pragma unroll
@@ -1343,7 +1414,7 @@ struct Sm90Cta {
           float sum_l = narrow_sums(0)[n];
 #pragma unroll
           for (int w = 1; w < 4; ++w) sum_l += narrow_sums(w)[n];
-          factors[n] = finish_row(m[jc], sum_l, n, po, true);
+          factors[n] = finish_row(m[jc], sum_l, n, po, true, row_sink(n));
         }
       }
       ptx::named_barrier(kNarrowBarrier, 128);  // warp 0's factors, for consumer 0's other warps
@@ -1410,17 +1481,18 @@ struct Sm90Cta {
   // full sums l, writes the lse and each row's output factor; each consumer writes its dims
   // [d0, d0 + 2 kRegs).
   template <int kRegs>
-  __device__ void epilogue(const TileCursor<kT>& cur, int d0, int wt, int r_lo, float (&o)[kRegs],
-                           const float (&m)[2], const float (&l)[2]) {
+  __device__ void epilogue(const TileCursor<kT>& cur, const PairSplit& ps, int d0, int wt,
+                           int r_lo, float (&o)[kRegs], const float (&m)[2], const float (&l)[2],
+                           const float (&sink)[2]) {
     const int lane = wt & 31;
     float* factors = exch(kFactor);
-    const PairOut po = pair_out(cur);
+    const PairOut po = pair_out(cur, ps);
     float row_factor[2];
     if (d0 == 0) {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
-        row_factor[rr] = finish_row(m[rr], l[rr], r, po, (lane & 3) == 0);
+        row_factor[rr] = finish_row(m[rr], l[rr], r, po, (lane & 3) == 0, sink[rr]);
         if ((lane & 3) == 0) factors[r] = row_factor[rr];
       }
     }
@@ -1433,30 +1505,29 @@ struct Sm90Cta {
       row_factor[0] = factors[r_lo];
       row_factor[1] = factors[r_lo + 8];
     }
+    // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int r = r_lo + 8 * rr;
-      if (r >= nrows) continue;
-      const float factor = row_factor[rr];
+      const bool live = r < nrows;
       if (po.split) {
-        if (!po.slot_ok) continue;
+        // fp32 partials: a float2 a lane and j already fills the quad's 32-byte sectors; the
+        // exchange would cost more than the stores it saves (variant 121).
+        if (!po.slot_ok || !live) continue;
         const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
         float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
+        const float factor = row_factor[rr];
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
           *reinterpret_cast<float2*>(dst + j * 8) =
               make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
         }
-      } else {
+      } else if (__any_sync(0xffffffffu, live)) {  // the same for the warp
         int s, head;
         row_coords(row0 + r, po.sq, &s, &head);
-        uint16_t* dst = p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
-                        head * p.out_stride[2] + d0 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-          *reinterpret_cast<uint32_t*>(dst + j * 8) =
-              ptx::pack2<kHalf>(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
-        }
+        store_row_16bit(p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
+                            head * p.out_stride[2] + d0,
+                        o, rr, row_factor[rr], lane, live);
       }
     }
   }
