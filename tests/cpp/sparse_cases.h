@@ -91,6 +91,14 @@ inline std::vector<NamedCase> corner_cases() {
     c.page_stride = ref::default_page_stride(V32, 53) + 16;
     c.extra_page_stride = ref::default_page_stride(V32, 61) + 64;
     v.push_back({"b3_sq2_h16_v32_strided_q_indices_out_lse_padded_pages", c});
+    // The same at h_q 100: the Hopper kernel's 64-row CTAs, whose second row block is partly
+    // padding, write strided output rows a quad at a time.
+    c.h_q = 100;
+    v.push_back({"b3_sq2_h100_v32_strided_q_indices_out_lse_padded_pages", c});
+    c.format = M1;
+    c.page_stride = ref::default_page_stride(M1, 53) + 48;
+    c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
+    v.push_back({"b3_sq2_h100_model1_strided_q_indices_out_lse_padded_pages", c});
   }
   {
     auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
