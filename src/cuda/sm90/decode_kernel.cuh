@@ -682,9 +682,9 @@ struct Sm90Cta {
     int i, sq, slot, grow0;
     bool split, slot_ok;
   };
-  // The plan's split of a pair, read at its first tile: the load then completes during the pair's
-  // tiles instead of on the chain from its last tile to the next pair's first (sm90_notes.md,
-  // variant 121).
+  // The plan's split of a pair. The 64-row consumers read it at the pair's first tile, so that the
+  // load completes during the pair's tiles instead of on the chain from its last tile to the next
+  // pair's first (sm90_notes.md, variant 121); the narrow ones in their epilogue.
   struct PairSplit {
     int first_part, nsplit, slot;
   };
@@ -710,8 +710,8 @@ struct Sm90Cta {
     row_coords(row0 + r, 0, &s, &head);
     return p.sink[head * p.sink_stride];
   }
-  // A pair's row that ends in this CTA's last tile of it asks for the next pair's plan entry
-  // early: the cursor reads it at the pair change, on the consumers' chain.
+  // At a pair's last tile in this CTA: the next pair's plan entry into L1, which the cursor reads
+  // at the pair change, on the consumers' chain.
   __device__ void prefetch_next_pair(const TileCursor<kT>& cur) const {
     if (cur.pr + 1 < p.num_pairs) ptx::prefetch_l1(p.pairs + cur.pr + 1);
   }
