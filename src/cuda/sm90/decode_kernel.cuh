@@ -929,53 +929,14 @@ struct Sm90Cta {
       l[rr] = row_sum[r] + row_sum[kRows + r];  // same order in both consumers
     }
     const PairOut po = pair_out(cur, ps);
-    const int i = po.i, sq = po.sq;
-    if (!po.split) {
-      // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
+    float row_factor[2];
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = r_lo + 8 * rr;
-        const bool live = r < nrows;
-        int s, head;
-        row_coords(row0 + r, sq, &s, &head);
-        float factor, lse;
-        if (l[rr] == 0.f) {  // no valid token: out 0, lse +inf, sink or not
-          factor = 0.f;
-          lse = INFINITY;
-        } else {
-          lse = (m[rr] + log2f(l[rr])) * 0.693147180559945309f;
-          factor = 1.f / l[rr];
-          if (p.sink != nullptr) factor *= 1.f / (1.f + expf(row_sink(r) - lse));
-        }
-        if (__any_sync(0xffffffffu, live)) {  // the same for the warp
-          store_row_16bit(p.out + i * p.out_stride[0] + s * p.out_stride[1] +
-                              head * p.out_stride[2] + c * 256,
-                          o, rr, factor, lane, live);
-        }
-        if (live && c == 0 && (lane & 3) == 0) {
-          p.lse[i * p.lse_stride[0] + head * p.lse_stride[1] + s * p.lse_stride[2]] = lse;
-        }
-      }
-    } else {
-      // Partial output of a split pair: normalized fp32 rows + base-2 lse for the combine.
-      if (!po.slot_ok) return;
-      const int slot = po.slot, grow0 = po.grow0;
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = r_lo + 8 * rr;
-        if (r >= nrows) continue;
-        const bool empty = l[rr] == 0.f;
-        const float inv = empty ? 0.f : 1.f / l[rr];
-        const int64_t prow = static_cast<int64_t>(slot) * p.rows_per_pair + grow0 + r;
-        float* dst = p.part_out + prow * smxx::decode::kDV + c * 256 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<float2*>(dst + j * 8) =
-              make_float2(o[4 * j + 2 * rr] * inv, o[4 * j + 2 * rr + 1] * inv);
-        }
-        if (c == 0 && (lane & 3) == 0) p.part_lse[prow] = empty ? -INFINITY : m[rr] + log2f(l[rr]);
-      }
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = r_lo + 8 * rr;
+      row_factor[rr] = finish_row(m[rr], l[rr], r, po, c == 0 && (lane & 3) == 0,
+                                  po.split ? 0.f : row_sink(r));
     }
+    store_rows(po, c * 256, r_lo, lane, o, row_factor);
   }
 
   // Sum over the 4 lanes of a quad (the threads that hold one accumulator row).
@@ -1152,6 +1113,38 @@ struct Sm90Cta {
       if (store) {
         *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) =
             hi ? make_uint4(x2, x3, x0, x1) : make_uint4(x0, x1, x2, x3);
+      }
+    }
+  }
+
+  // The thread's two rows of output dims [d0, d0 + 2 kRegs) of a pair, scaled by their factors:
+  // 16-bit output rows, or a split pair's fp32 partial rows. Every lane of the warp must call.
+  template <int kRegs>
+  __device__ void store_rows(const PairOut& po, int d0, int r_lo, int lane, const float (&o)[kRegs],
+                             const float (&row_factor)[2]) const {
+    // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = r_lo + 8 * rr;
+      const bool live = r < nrows;
+      if (po.split) {
+        // fp32 partials: a float2 a lane and j already fills the quad's 32-byte sectors; the
+        // exchange would cost more than the stores it saves (variant 121).
+        if (!po.slot_ok || !live) continue;
+        const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
+        float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
+        const float factor = row_factor[rr];
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+        }
+      } else if (__any_sync(0xffffffffu, live)) {  // the same for the warp
+        int s, head;
+        row_coords(row0 + r, po.sq, &s, &head);
+        store_row_16bit(p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
+                            head * p.out_stride[2] + d0,
+                        o, rr, row_factor[rr], lane, live);
       }
     }
   }
@@ -1505,31 +1498,7 @@ struct Sm90Cta {
       row_factor[0] = factors[r_lo];
       row_factor[1] = factors[r_lo + 8];
     }
-    // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int r = r_lo + 8 * rr;
-      const bool live = r < nrows;
-      if (po.split) {
-        // fp32 partials: a float2 a lane and j already fills the quad's 32-byte sectors; the
-        // exchange would cost more than the stores it saves (variant 121).
-        if (!po.slot_ok || !live) continue;
-        const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
-        float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
-        const float factor = row_factor[rr];
-#pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-          *reinterpret_cast<float2*>(dst + j * 8) =
-              make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
-        }
-      } else if (__any_sync(0xffffffffu, live)) {  // the same for the warp
-        int s, head;
-        row_coords(row0 + r, po.sq, &s, &head);
-        store_row_16bit(p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
-                            head * p.out_stride[2] + d0,
-                        o, rr, row_factor[rr], lane, live);
-      }
-    }
+    store_rows(po, d0, r_lo, lane, o, row_factor);
   }
 };
 
