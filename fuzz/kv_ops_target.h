@@ -1,5 +1,5 @@
-// Fuzz target "kv_ops": quantize_store, dequantize and repack_pages on the CPU backend with
-// adversarial slots, block tables and lengths (-1, out of range, INT32_MIN/MAX, duplicates),
+// Fuzz target "kv_ops": quantize_store, dequantize and repack_pages (on the CPU backend, or through
+// a KvOpsRunner on another one) with adversarial slots, block tables and lengths (-1, out of range, INT32_MIN/MAX, duplicates),
 // raw cache bytes (NaN scales, NaN codes), NaN/inf/huge source values, odd page sizes and padded
 // strides. Every call must succeed; the bytes it writes are checked against an independent model
 // of the formats (fuzz/format_model.h), and every byte it was not asked to write must be unchanged.
@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -19,6 +20,21 @@
 #include "sparse_mla/sparse_mla.h"
 
 namespace sparse_mla::fuzz {
+
+// The three ops the target calls, on host buffers that they read and write in place: the CPU
+// backend, or a GPU backend through device copies (tests/cpp/cuda/test_cuda_fuzz.cpp).
+struct KvOpsRunner {
+  std::function<Status(const QuantizeStoreArgs&)> quantize_store;
+  std::function<Status(const DequantizeArgs&)> dequantize;
+  std::function<Status(const RepackArgs&)> repack;
+};
+
+inline KvOpsRunner cpu_kv_runner() {
+  const Options o{Backend::kCPU, nullptr};
+  return {[o](const QuantizeStoreArgs& a) { return quantize_store(a, o); },
+          [o](const DequantizeArgs& a) { return dequantize(a, o); },
+          [o](const RepackArgs& a) { return repack_pages(a, o); }};
+}
 
 namespace kv_detail {
 
@@ -158,7 +174,8 @@ inline bool quantized_ok(KVFormat format, const std::vector<float>& row, const u
   return true;
 }
 
-inline void run_quantize_store(Input& in, Arena& arena, Cache& c, Findings& f) {
+inline void run_quantize_store(Input& in, Arena& arena, Cache& c, Findings& f,
+                               const KvOpsRunner& run) {
   const int d = kv_format_d_qk(c.kv.format);
   const int64_t n = in.range(0, 12);
   const bool bf16 = in.coin();
@@ -198,7 +215,7 @@ inline void run_quantize_store(Input& in, Arena& arena, Cache& c, Findings& f) {
   a.kv = c.kv;
   const std::vector<uint8_t> before(c.bytes, c.bytes + c.size);
   const std::vector<uint8_t> src_before(src, src + src_bytes);
-  const Status s = quantize_store(a, Options{Backend::kCPU, nullptr});
+  const Status s = run.quantize_store(a);
   if (!s.ok()) return f.fail("quantize_store rejected a valid request: " + s.to_string());
   if (!same_bytes(src_before.data(), src, src_bytes)) f.fail("quantize_store wrote src");
 
@@ -263,7 +280,8 @@ inline double stored_value(const KVCache& kv, const std::vector<uint8_t>& token,
   return 0;
 }
 
-inline void run_dequantize(Input& in, Arena& arena, Cache& c, Findings& f) {
+inline void run_dequantize(Input& in, Arena& arena, Cache& c, Findings& f,
+                           const KvOpsRunner& run) {
   const int d = kv_format_d_qk(c.kv.format);
   const int64_t n = in.range(0, 12);
   const bool f32 = in.coin();
@@ -285,7 +303,7 @@ inline void run_dequantize(Input& in, Arena& arena, Cache& c, Findings& f) {
   a.out = TensorView::strided(out, f32 ? DType::kFloat32 : DType::kBFloat16, Device{}, {n, d},
                               {row_stride, 1});
   const std::vector<uint8_t> before(c.bytes, c.bytes + c.size);
-  const Status s = dequantize(a, Options{Backend::kCPU, nullptr});
+  const Status s = run.dequantize(a);
   if (!s.ok()) return f.fail("dequantize rejected a valid request: " + s.to_string());
   if (!same_bytes(before.data(), c.bytes, c.size)) return f.fail("dequantize wrote the cache");
   for (int64_t i = 0; i < n; ++i) {
@@ -326,7 +344,8 @@ inline void run_dequantize(Input& in, Arena& arena, Cache& c, Findings& f) {
 
 // ---- repack_pages ----
 
-inline void run_repack(Input& in, Arena& arena, Cache& src, Findings& f) {
+inline void run_repack(Input& in, Arena& arena, Cache& src, Findings& f,
+                       const KvOpsRunner& run) {
   // In-place use (dst aliases src) is covered by its own regression test; here pools differ.
   Cache dst = make_cache(in, arena, src.kv.format, src.kv.num_heads);
   const int64_t b = in.range(0, 4);
@@ -359,7 +378,7 @@ inline void run_repack(Input& in, Arena& arena, Cache& src, Findings& f) {
   a.seqlens = TensorView::contiguous(len_buf, DType::kInt32, Device{}, {b});
   const std::vector<uint8_t> src_before(src.bytes, src.bytes + src.size);
   const std::vector<uint8_t> dst_before(dst.bytes, dst.bytes + dst.size);
-  const Status s = repack_pages(a, Options{Backend::kCPU, nullptr});
+  const Status s = run.repack(a);
   if (!s.ok()) return f.fail("repack_pages rejected a valid request: " + s.to_string());
   if (!same_bytes(src_before.data(), src.bytes, src.size)) {
     return f.fail("repack_pages wrote the source pool");
@@ -406,7 +425,7 @@ inline void run_repack(Input& in, Arena& arena, Cache& src, Findings& f) {
 
 }  // namespace kv_detail
 
-inline std::string fuzz_kv_ops(const uint8_t* data, size_t size) {
+inline std::string fuzz_kv_ops_on(const uint8_t* data, size_t size, const KvOpsRunner& run) {
   using namespace kv_detail;
   Input in(data, size);
   Arena arena;
@@ -415,10 +434,14 @@ inline std::string fuzz_kv_ops(const uint8_t* data, size_t size) {
       in.pick<KVFormat>({KVFormat::kModel1, KVFormat::kV32, KVFormat::kBF16, KVFormat::kFP16});
   const int64_t heads = kv_format_is_fp8(format) ? 1 : in.range(1, 3);
   Cache cache = make_cache(in, arena, format, heads);
-  if (kv_format_is_fp8(format)) run_quantize_store(in, arena, cache, f);
-  if (!f.any()) run_dequantize(in, arena, cache, f);
-  if (!f.any()) run_repack(in, arena, cache, f);
+  if (kv_format_is_fp8(format)) run_quantize_store(in, arena, cache, f, run);
+  if (!f.any()) run_dequantize(in, arena, cache, f, run);
+  if (!f.any()) run_repack(in, arena, cache, f, run);
   return f.first;
+}
+
+inline std::string fuzz_kv_ops(const uint8_t* data, size_t size) {
+  return fuzz_kv_ops_on(data, size, cpu_kv_runner());
 }
 
 }  // namespace sparse_mla::fuzz

@@ -43,7 +43,7 @@ for s in $steps; do
         -C cmake.define.SPARSE_MLA_CUDA_ARCHS='$archs' -C build-dir=build-py-gpu && \
         python3 -m pytest tests/python -q -rs" ;;
     sanitize)  # the representative subset, on the portable and on the Hopper backend
-      filter=${SANITIZE_FILTER:-CudaKV.*:CudaMerge.*:CudaSparseDecodeCorners.*:CudaSparseDecodeLengths.*:CudaDenseDecodeCorners.*:CudaDenseDecodeDeterminism.*:CudaGraph.*:CudaPlan.*:CudaSparseDecodePlan.*:CudaFuzzDecode.*}
+      filter=${SANITIZE_FILTER:-CudaKV.*:CudaMerge.*:CudaSparseDecodeCorners.*:CudaSparseDecodeLengths.*:CudaDenseDecodeCorners.*:CudaDenseDecodeDeterminism.*:CudaGraph.*:CudaPlan.*:CudaSparseDecodePlan.*:CudaFuzzDecode.*:CudaFuzzKvOps.*}
       step sanitize bash tools/gpu_sanitize.sh $build_dir "$out" "$filter"
       step sanitize_sm90 env SPARSE_MLA_TEST_BACKEND=sm90 SPARSE_MLA_SM90_SMALL_BATCHES=1 \
         bash tools/gpu_sanitize.sh $build_dir "$out/sm90" "$filter" ;;

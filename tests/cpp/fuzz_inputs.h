@@ -54,11 +54,11 @@ inline std::vector<Input> random(uint64_t seed, int count) {
   return inputs;
 }
 
-// What the decode target's wide shapes are run on (DecodeRunner::wide): its committed seeds and
-// reproducers, then `random_count` random inputs from `seed`.
-inline std::vector<Input> decode_inputs(uint64_t seed, int random_count) {
-  std::vector<Input> inputs = committed("fuzz/corpus", "decode");
-  for (Input& in : committed("fuzz/regressions", "decode")) inputs.push_back(std::move(in));
+// A target's committed seeds and reproducers, then `random_count` random inputs from `seed`: what
+// the GPU replays run (the decode target on its wide shapes, DecodeRunner::wide).
+inline std::vector<Input> target_inputs(const char* target, uint64_t seed, int random_count) {
+  std::vector<Input> inputs = committed("fuzz/corpus", target);
+  for (Input& in : committed("fuzz/regressions", target)) inputs.push_back(std::move(in));
   for (Input& in : random(seed, random_count)) inputs.push_back(std::move(in));
   return inputs;
 }

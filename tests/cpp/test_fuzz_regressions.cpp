@@ -57,7 +57,7 @@ TEST(FuzzDecodeWide, CorpusReproducersAndRandomInputs) {
   fuzz::DecodeRunner run = fuzz::cpu_runner();
   run.wide = true;
   const uint64_t seed = test_support::test_seed();
-  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::decode_inputs(seed, 200);
+  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::target_inputs("decode", seed, 200);
   ASSERT_GT(inputs.size(), 200u) << "no seed corpus under fuzz/corpus/decode";
   for (const fuzz_inputs::Input& in : inputs) {
     const std::string finding = fuzz::fuzz_decode_on(in.bytes.data(), in.bytes.size(), run);

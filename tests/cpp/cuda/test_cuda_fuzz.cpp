@@ -1,4 +1,5 @@
-// The decode fuzz target (fuzz/decode_target.h) on the GPU backend under test: its committed seeds
+// The decode and kv_ops fuzz targets (fuzz/decode_target.h, fuzz/kv_ops_target.h) on the GPU
+// backend under test. Decode: its committed seeds
 // and reproducers and a batch of fresh random inputs, on the target's wide shapes (up to 128 heads,
 // lists cut into several parts, the combine). Each request gets the target's checks: two runs with
 // the unreferenced cache bytes and the index entries past the lengths rewritten in between, the
@@ -7,7 +8,10 @@
 // match the fp64 reference. Every tensor and cache is copied to a device allocation of exactly the
 // bytes its view spans, so that under compute-sanitizer (scripts/gpu_check.sh) memcheck reports
 // the first byte read or written past it; the workspace is filled with a different byte on every
-// call, so that a kernel reading workspace it did not write makes the two runs differ.
+// call, so that a kernel reading workspace it did not write makes the two runs differ. kv_ops:
+// its seeds, reproducers and fresh random inputs, each op on device copies of the target's
+// exact-size host buffers (caches included), whose bytes come back for the target's checks
+// against its model of the formats and of the bytes each op may write.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "fuzz/decode_target.h"
+#include "fuzz/kv_ops_target.h"
 #include "sparse_mla/sparse_mla.h"
 #include "tests/cpp/cuda/gpu_util.h"
 #include "tests/cpp/fuzz_inputs.h"
@@ -57,6 +62,15 @@ class Mirror {
     return up(*host);
   }
   // The whole span back, so that bytes between the elements (strided outputs) come back too.
+  static void down(const KVCache& dev, const KVCache& host) {
+    const size_t bytes = host.num_pages <= 0
+                             ? 0
+                             : static_cast<size_t>((host.num_pages - 1) * host.page_stride +
+                                                   host.page_size * host.bytes_per_token());
+    if (bytes == 0) return;
+    const cudaError_t err = cudaMemcpy(host.data, dev.data, bytes, cudaMemcpyDeviceToHost);
+    EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy D2H: " << cudaGetErrorString(err);
+  }
   static void down(const TensorView& dev, const TensorView& host) {
     const size_t bytes = gpu_test::span_bytes(host);
     if (bytes == 0) return;
@@ -173,7 +187,7 @@ TEST(CudaFuzzDecode, CorpusReproducersAndRandomInputs) {
   auto reached = std::make_shared<Reached>();
   const fuzz::DecodeRunner run = gpu_runner(backend, reached);
   const uint64_t seed = test_support::test_seed();
-  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::decode_inputs(seed, 200);
+  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::target_inputs("decode", seed, 200);
   ASSERT_GT(inputs.size(), 200u) << "no seed corpus under fuzz/corpus/decode";
   for (const fuzz_inputs::Input& in : inputs) {
     const std::string finding = fuzz::fuzz_decode_on(in.bytes.data(), in.bytes.size(), run);
@@ -190,6 +204,74 @@ TEST(CudaFuzzDecode, CorpusReproducersAndRandomInputs) {
   EXPECT_GT(reached->dense, 0);
   EXPECT_GT(reached->merge, 0);
   EXPECT_GT(reached->long_lists, 0);
+}
+
+// The kv ops on device copies of the target's host buffers; every buffer an op may write comes
+// back, and the source buffers too, so that the target sees a write where none was allowed.
+fuzz::KvOpsRunner gpu_kv_runner(Backend backend, std::shared_ptr<int> calls) {
+  fuzz::KvOpsRunner r;
+  r.quantize_store = [=](const QuantizeStoreArgs& host) {
+    ++*calls;
+    Mirror m;
+    QuantizeStoreArgs d = host;
+    d.src = m.up(host.src);
+    d.slots = m.up(host.slots);
+    d.kv = m.up(host.kv);
+    Stream stream;
+    const Status st = quantize_store(d, stream.options(backend));
+    EXPECT_TRUE(stream.sync());
+    Mirror::down(d.src, host.src);
+    Mirror::down(d.kv, host.kv);
+    return st;
+  };
+  r.dequantize = [=](const DequantizeArgs& host) {
+    ++*calls;
+    Mirror m;
+    DequantizeArgs d = host;
+    d.kv = m.up(host.kv);
+    d.slots = m.up(host.slots);
+    d.out = m.up(host.out);
+    Stream stream;
+    const Status st = dequantize(d, stream.options(backend));
+    EXPECT_TRUE(stream.sync());
+    Mirror::down(d.kv, host.kv);
+    Mirror::down(d.out, host.out);
+    return st;
+  };
+  r.repack = [=](const RepackArgs& host) {
+    ++*calls;
+    Mirror m;
+    RepackArgs d = host;
+    d.src = m.up(host.src);
+    d.dst = m.up(host.dst);
+    d.src_block_table = m.up(host.src_block_table);
+    d.dst_block_table = m.up(host.dst_block_table);
+    d.seqlens = m.up(host.seqlens);
+    Stream stream;
+    const Status st = repack_pages(d, stream.options(backend));
+    EXPECT_TRUE(stream.sync());
+    Mirror::down(d.src, host.src);
+    Mirror::down(d.dst, host.dst);
+    return st;
+  };
+  return r;
+}
+
+TEST(CudaFuzzKvOps, CorpusReproducersAndRandomInputs) {
+  SKIP_WITHOUT_GPU();
+  const Backend backend = gpu_test::gpu_backend_under_test();
+  auto calls = std::make_shared<int>(0);
+  const fuzz::KvOpsRunner run = gpu_kv_runner(backend, calls);
+  const uint64_t seed = test_support::test_seed();
+  const std::vector<fuzz_inputs::Input> inputs = fuzz_inputs::target_inputs("kv_ops", seed, 300);
+  ASSERT_GT(inputs.size(), 300u) << "no seed corpus under fuzz/corpus/kv_ops";
+  for (const fuzz_inputs::Input& in : inputs) {
+    const std::string finding = fuzz::fuzz_kv_ops_on(in.bytes.data(), in.bytes.size(), run);
+    ASSERT_EQ(finding, "") << backend_name(backend) << ", " << in.name
+                           << ", SPARSE_MLA_TEST_SEED=" << seed;
+  }
+  std::printf("GPU kv op calls: %d\n", *calls);
+  EXPECT_GT(*calls, 300);
 }
 
 }  // namespace
