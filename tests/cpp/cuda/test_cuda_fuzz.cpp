@@ -87,6 +87,21 @@ class Mirror {
   std::vector<DeviceBuffer> buffers_;
 };
 
+// Runs a workspace-free op (merge, the kv ops) on device copies of `host`'s buffers: `up` makes
+// them (d starts as a copy of host), `down` copies back what the op may have written.
+template <typename Args, typename Up, typename Down>
+Status run_op(const Args& host, Backend backend, Status (*op)(const Args&, const Options&), Up up,
+              Down down) {
+  Mirror m;
+  Args d = host;
+  up(m, d);
+  Stream stream;
+  const Status st = op(d, stream.options(backend));
+  EXPECT_TRUE(stream.sync());
+  down(d);
+  return st;
+}
+
 // Plans and runs a decode op (Args: SparseDecodeArgs or DenseDecodeArgs) on device copies of
 // `host`'s buffers, with a workspace of exactly the queried sizes filled with `fill`, and copies
 // out and lse back.
@@ -163,19 +178,19 @@ fuzz::DecodeRunner gpu_runner(Backend backend, std::shared_ptr<Reached> reached)
   };
   r.merge = [=](const MergeArgs& host) {
     reached->merge += host.out.shape[0] > 0;
-    Mirror m;
-    MergeArgs d = host;
-    d.out_parts = m.up(host.out_parts);
-    d.lse_parts = m.up(host.lse_parts);
-    d.attn_sink = m.up(host.attn_sink);
-    d.out = m.up(host.out);
-    d.lse = m.up(host.lse);
-    Stream stream;
-    const Status st = merge_attention(d, stream.options(backend));
-    EXPECT_TRUE(stream.sync());
-    Mirror::down(d.out, host.out);
-    Mirror::down(d.lse, host.lse);
-    return st;
+    return run_op(
+        host, backend, merge_attention,
+        [&](Mirror& m, MergeArgs& d) {
+          d.out_parts = m.up(host.out_parts);
+          d.lse_parts = m.up(host.lse_parts);
+          d.attn_sink = m.up(host.attn_sink);
+          d.out = m.up(host.out);
+          d.lse = m.up(host.lse);
+        },
+        [&](const MergeArgs& d) {
+          Mirror::down(d.out, host.out);
+          Mirror::down(d.lse, host.lse);
+        });
   };
   return r;
 }
@@ -212,47 +227,47 @@ fuzz::KvOpsRunner gpu_kv_runner(Backend backend, std::shared_ptr<int> calls) {
   fuzz::KvOpsRunner r;
   r.quantize_store = [=](const QuantizeStoreArgs& host) {
     ++*calls;
-    Mirror m;
-    QuantizeStoreArgs d = host;
-    d.src = m.up(host.src);
-    d.slots = m.up(host.slots);
-    d.kv = m.up(host.kv);
-    Stream stream;
-    const Status st = quantize_store(d, stream.options(backend));
-    EXPECT_TRUE(stream.sync());
-    Mirror::down(d.src, host.src);
-    Mirror::down(d.kv, host.kv);
-    return st;
+    return run_op(
+        host, backend, quantize_store,
+        [&](Mirror& m, QuantizeStoreArgs& d) {
+          d.src = m.up(host.src);
+          d.slots = m.up(host.slots);
+          d.kv = m.up(host.kv);
+        },
+        [&](const QuantizeStoreArgs& d) {
+          Mirror::down(d.src, host.src);
+          Mirror::down(d.kv, host.kv);
+        });
   };
   r.dequantize = [=](const DequantizeArgs& host) {
     ++*calls;
-    Mirror m;
-    DequantizeArgs d = host;
-    d.kv = m.up(host.kv);
-    d.slots = m.up(host.slots);
-    d.out = m.up(host.out);
-    Stream stream;
-    const Status st = dequantize(d, stream.options(backend));
-    EXPECT_TRUE(stream.sync());
-    Mirror::down(d.kv, host.kv);
-    Mirror::down(d.out, host.out);
-    return st;
+    return run_op(
+        host, backend, dequantize,
+        [&](Mirror& m, DequantizeArgs& d) {
+          d.kv = m.up(host.kv);
+          d.slots = m.up(host.slots);
+          d.out = m.up(host.out);
+        },
+        [&](const DequantizeArgs& d) {
+          Mirror::down(d.kv, host.kv);
+          Mirror::down(d.out, host.out);
+        });
   };
   r.repack = [=](const RepackArgs& host) {
     ++*calls;
-    Mirror m;
-    RepackArgs d = host;
-    d.src = m.up(host.src);
-    d.dst = m.up(host.dst);
-    d.src_block_table = m.up(host.src_block_table);
-    d.dst_block_table = m.up(host.dst_block_table);
-    d.seqlens = m.up(host.seqlens);
-    Stream stream;
-    const Status st = repack_pages(d, stream.options(backend));
-    EXPECT_TRUE(stream.sync());
-    Mirror::down(d.src, host.src);
-    Mirror::down(d.dst, host.dst);
-    return st;
+    return run_op(
+        host, backend, repack_pages,
+        [&](Mirror& m, RepackArgs& d) {
+          d.src = m.up(host.src);
+          d.dst = m.up(host.dst);
+          d.src_block_table = m.up(host.src_block_table);
+          d.dst_block_table = m.up(host.dst_block_table);
+          d.seqlens = m.up(host.seqlens);
+        },
+        [&](const RepackArgs& d) {
+          Mirror::down(d.src, host.src);
+          Mirror::down(d.dst, host.dst);
+        });
   };
   return r;
 }
