@@ -1,8 +1,9 @@
-// Fuzz target "kv_ops": quantize_store, dequantize and repack_pages (on the CPU backend, or through
-// a KvOpsRunner on another one) with adversarial slots, block tables and lengths (-1, out of range, INT32_MIN/MAX, duplicates),
-// raw cache bytes (NaN scales, NaN codes), NaN/inf/huge source values, odd page sizes and padded
-// strides. Every call must succeed; the bytes it writes are checked against an independent model
-// of the formats (fuzz/format_model.h), and every byte it was not asked to write must be unchanged.
+// Fuzz target "kv_ops": quantize_store, dequantize and repack_pages (on the CPU backend, or on
+// another through a KvOpsRunner) with adversarial slots, block tables and lengths (-1, out of
+// range, INT32_MIN/MAX, duplicates), raw cache bytes (NaN scales, NaN codes), NaN/inf/huge source
+// values, odd page sizes and padded strides. Every call must succeed; the bytes it writes are
+// checked against an independent model of the formats (fuzz/format_model.h), and every byte it was
+// not asked to write must be unchanged.
 // Buffers are exact-size heap blocks, so AddressSanitizer catches any access outside them.
 #pragma once
 

@@ -46,14 +46,9 @@ class Mirror {
     if (!host) return std::nullopt;
     return up(*host);
   }
-  // Only the bytes up to the last page's last token: the fuzz target's caches end there.
   KVCache up(const KVCache& host) {
     KVCache d = host;
-    const size_t bytes = host.num_pages <= 0
-                             ? 0
-                             : static_cast<size_t>((host.num_pages - 1) * host.page_stride +
-                                                   host.page_size * host.bytes_per_token());
-    d.data = copy_up(host.data, bytes);
+    d.data = copy_up(host.data, cache_bytes(host));
     d.device = gpu_test::cuda_device();
     return d;
   }
@@ -62,23 +57,25 @@ class Mirror {
     return up(*host);
   }
   // The whole span back, so that bytes between the elements (strided outputs) come back too.
-  static void down(const KVCache& dev, const KVCache& host) {
-    const size_t bytes = host.num_pages <= 0
-                             ? 0
-                             : static_cast<size_t>((host.num_pages - 1) * host.page_stride +
-                                                   host.page_size * host.bytes_per_token());
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMemcpy(host.data, dev.data, bytes, cudaMemcpyDeviceToHost);
-    EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy D2H: " << cudaGetErrorString(err);
-  }
   static void down(const TensorView& dev, const TensorView& host) {
-    const size_t bytes = gpu_test::span_bytes(host);
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMemcpy(host.data, dev.data, bytes, cudaMemcpyDeviceToHost);
-    EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy D2H: " << cudaGetErrorString(err);
+    copy_down(host.data, dev.data, gpu_test::span_bytes(host));
+  }
+  static void down(const KVCache& dev, const KVCache& host) {
+    copy_down(host.data, dev.data, cache_bytes(host));
   }
 
  private:
+  // Only the bytes up to the last page's last token: the fuzz targets' caches end there.
+  static size_t cache_bytes(const KVCache& kv) {
+    return kv.num_pages <= 0 ? 0
+                             : static_cast<size_t>((kv.num_pages - 1) * kv.page_stride +
+                                                   kv.page_size * kv.bytes_per_token());
+  }
+  static void copy_down(void* host, const void* dev, size_t bytes) {
+    if (bytes == 0) return;
+    const cudaError_t err = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
+    EXPECT_EQ(err, cudaSuccess) << "cudaMemcpy D2H: " << cudaGetErrorString(err);
+  }
   void* copy_up(const void* host, size_t bytes) {
     buffers_.emplace_back(bytes);
     if (bytes > 0) buffers_.back().upload(host, bytes);
