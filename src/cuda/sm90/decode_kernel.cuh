@@ -193,8 +193,8 @@ struct TileCursor {
     pr = p.num_pairs;
   }
 
-  __device__ void init(const DecodeParams& p, PartStart end) {
-    const PartStart begin = p.parts[blockIdx.x];
+  __device__ void init(const DecodeParams& p, int part, PartStart end) {
+    const PartStart begin = p.parts[part];
     pr = begin.pair;
     // A part with no tile leaves the tile fields unset in enter(), but batches read them.
     k = k0 = k1 = seg = n_main = len = id = 0;
@@ -234,7 +234,7 @@ struct Sm90Cta {
 
   const DecodeParams& p;
   uint8_t* smem;
-  int grp, row0, nrows;
+  int part, grp, row0, nrows;
   // 16-bit dense pages as a TMA tensor (dim, KV head, token in page, page), boxes of 64 dims x
   // 8 tokens; nullptr where the host could not describe the cache that way (or
   // SPARSE_MLA_SM90_TMA=0).
@@ -369,9 +369,9 @@ struct Sm90Cta {
     const int lane = tid & 31, pw = tid >> 5;
     constexpr int kW = Cfg::kTokensPerWarp;
     const int tok = pw * kW + lane % kW;  // the lane's token of its tile of a batch
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     // The first pair's Q goes out before the first indices, so that the two loads overlap.
     if (cur.valid(p)) load_q(cur, tid);
     // The rows of the current batch. The next batch's indices are loaded at the batch's first
@@ -629,9 +629,9 @@ struct Sm90Cta {
     const int tid = threadIdx.x;
     const int lane = tid & 31, pw = tid >> 5;
     const int tok = pw * kW + lane % kW;
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;  // the tile converted next
-    cur.init(p, end);
+    cur.init(p, part, end);
     // The first pair's Q goes out before the first indices, so that the two loads overlap.
     if (cur.valid(p)) load_q(cur, tid);
     TileCursor<kT> ahead = cur;  // the first tile of the batch after the pending one
@@ -696,7 +696,7 @@ struct Sm90Cta {
     PairOut po;
     pair_coords(p, cur.id, &po.i, &po.sq);
     po.split = ps.nsplit > 1;
-    po.slot = ps.slot + (static_cast<int>(blockIdx.x) - ps.first_part);
+    po.slot = ps.slot + (part - ps.first_part);
     po.slot_ok = po.slot >= 0 && po.slot < p.max_slots;
     po.grow0 = (p.dense ? grp * p.rows_per_group : 0) + row0;
     return po;
@@ -847,9 +847,9 @@ struct Sm90Cta {
     const uint32_t q_addr = ptx::smem_addr(q_smem());
     const uint32_t p_addr = ptx::smem_addr(p_smem());
 
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     float o[128];
     float m[2], l[2];
     int lim[2];
@@ -957,9 +957,9 @@ struct Sm90Cta {
     const uint32_t q_addr = ptx::smem_addr(q_smem());
     float* alpha = exch(kAlpha);
 
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     float o[kDimsS / 2];
     float m[2], l[2];
     int lim[2];
@@ -1035,9 +1035,9 @@ struct Sm90Cta {
     const int r_lo = (wt >> 5) * 16 + (lane >> 2);
     const float* alpha = exch(kAlpha);
 
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     float o[(kDV - kDimsS) / 2];
     const float none[2] = {0.f, 0.f};  // softmax state and sinks: consumer 0's
     PairSplit ps{};
@@ -1256,9 +1256,9 @@ struct Sm90Cta {
     const uint32_t q_addr = ptx::smem_addr(q_smem());
     uint16_t* pt = reinterpret_cast<uint16_t*>(p_smem());
 
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     float o[kDimsS / 64][8];
     float m[kNarrowCols], l[kNarrowCols];
     int lim[kNarrowCols];
@@ -1359,9 +1359,9 @@ struct Sm90Cta {
   // Narrow consumer 1 (warps 12-15): O^T for dims [kDimsS, 512) from consumer 0's P^T.
   __device__ void consumer_narrow_pv() {
     const int wt = threadIdx.x & 127, lane = wt & 31;
-    const PartStart end = p.parts[blockIdx.x + 1];
+    const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
-    cur.init(p, end);
+    cur.init(p, part, end);
     float o[(kDV - kDimsS) / 64][8];
     float none[kNarrowCols] = {0.f, 0.f, 0.f, 0.f};  // softmax state: consumer 0's
     for (int it = 0; cur.valid(p); ++it) {
@@ -1518,11 +1518,14 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
   Sm90Cta<F, kRowsArg> cta{p, smem};
   cta.kv_map = kv_tma ? &kv_map : nullptr;
   cta.kv_policy = ptx::l2_policy(p.rows_per_group <= Cfg::kRows);
+  // sm90_grid: row blocks along x, parts along y.
+  cta.part = blockIdx.y;
+  const int row_block = blockIdx.x;
   cta.grp = 0;
-  int rb = blockIdx.y;
+  int rb = row_block;
   if (p.dense) {
-    cta.grp = blockIdx.y / p.blocks_per_group;
-    rb = blockIdx.y % p.blocks_per_group;
+    cta.grp = row_block / p.blocks_per_group;
+    rb = row_block % p.blocks_per_group;
   }
   cta.row0 = rb * Cfg::kRows;
   cta.nrows = min(Cfg::kRows, p.rows_per_group - cta.row0);

@@ -69,6 +69,14 @@ bool encode_kv_map(Fmt fmt, const DecodeParams& p, CUtensorMap* map) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The row blocks of a part along x, parts along y: the CTAs that walk the same tiles start next
+// to each other, so they share more of their L2 traffic (dense bf16 h_q 128: 24% fewer L2 fabric
+// sectors and 0.5-2% faster than parts along x, sm90_notes.md variant 126).
+dim3 sm90_grid(const smxx::decode::DecodeShape& shape) {
+  return dim3(static_cast<unsigned>(shape.blocks_per_group * shape.groups),
+              static_cast<unsigned>(shape.num_parts));
+}
+
 }  // namespace
 
 Status launch_decode(const smxx::decode::DecodeShape& shape, const DecodeParams& params,
@@ -81,7 +89,7 @@ Status launch_decode(const smxx::decode::DecodeShape& shape, const DecodeParams&
   }
   void* args[] = {const_cast<DecodeParams*>(&params), &map, &kv_tma};
   SPARSE_MLA_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernel(shape.kernel.fn, smxx::decode::decode_grid(shape),
+      cudaLaunchKernel(shape.kernel.fn, sm90_grid(shape),
                        dim3(shape.kernel.threads), args,
                        static_cast<size_t>(shape.kernel.smem_bytes), stream));
   return check_launch("sparse_mla sm90 decode kernel");

@@ -85,7 +85,8 @@ inline constexpr int kNarrowMinDenseLists = 16;
 // (sm90_notes.md, probe 94), 4-6 tiles of a Hopper CTA at h_q 128.
 inline constexpr int kSnapSlackTiles = 4;
 
-// The attention kernel's grid: a part a CTA along x, the row blocks of every group along y.
+// The portable attention kernel's grid: a part a CTA along x, the row blocks of every group
+// along y (the Hopper kernel's grid is the transpose: sm90_grid in sm90/kernels.cu).
 inline dim3 decode_grid(const DecodeShape& shape) {
   return dim3(static_cast<unsigned>(shape.num_parts),
               static_cast<unsigned>(shape.blocks_per_group * shape.groups));
