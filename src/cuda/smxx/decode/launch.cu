@@ -184,10 +184,16 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
     small_batch = max_len > 0 ? num_pairs * pair_tiles<int64_t>(max_len, 64) * groups < 2 * sm_count
                               : num_pairs * groups < kNarrowMinDenseLists;
   }
-  const bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
+  // A Hopper kernel that needs more shared memory than the device grants leaves the portable
+  // configuration picked above in place.
+  bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
   if (use_sm90) {
-    k = wide ? sm90::kernel_entry(fmt) : sm90::narrow_kernel_entry(fmt);
-    if (k.smem_bytes > dev.max_smem_optin) k = KernelEntry{};
+    const KernelEntry hopper = wide ? sm90::kernel_entry(fmt) : sm90::narrow_kernel_entry(fmt);
+    if (hopper.smem_bytes <= dev.max_smem_optin) {
+      k = hopper;
+    } else {
+      use_sm90 = false;
+    }
   }
   if (k.fn == nullptr) {
     return Status::Unsupported(std::string("cuda decode: no ") + fmt_name(fmt) +
