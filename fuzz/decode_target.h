@@ -144,9 +144,7 @@ inline Cache make_cache(Input& in, Arena& arena, KVFormat format, int64_t heads,
   c.kv.num_pages = in.range(0, wide ? 12 : 4);
   const int64_t min_stride = (c.kv.page_size * c.kv.bytes_per_token() + 15) / 16 * 16;
   c.kv.page_stride = min_stride + 16 * in.range(0, 2);
-  c.size = c.kv.num_pages == 0 ? 0
-                               : static_cast<size_t>((c.kv.num_pages - 1) * c.kv.page_stride +
-                                                     c.kv.page_size * c.kv.bytes_per_token());
+  c.size = exact_cache_bytes(c.kv);
   c.bytes = arena.alloc(c.size);
   c.kv.data = c.bytes;
   c.referenced.assign(c.size, 0);

@@ -150,6 +150,14 @@ inline int64_t span_bytes(const TensorView& t, int64_t elem) {
   return (last + 1) * elem;
 }
 
+// Bytes of a cache up to its last page's last token: the fuzz targets allocate exactly that, so
+// even the padding after the last page lies outside the block.
+inline size_t exact_cache_bytes(const KVCache& kv) {
+  return kv.num_pages <= 0 ? 0
+                           : static_cast<size_t>((kv.num_pages - 1) * kv.page_stride +
+                                                 kv.page_size * kv.bytes_per_token());
+}
+
 inline size_t elem_size(DType d) {
   switch (d) {
     case DType::kUInt8:

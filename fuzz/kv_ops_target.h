@@ -39,8 +39,7 @@ inline KvOpsRunner cpu_kv_runner() {
 
 namespace kv_detail {
 
-// A cache over one exact-size block: (num_pages - 1) * page_stride + page_size * bytes_per_token
-// bytes, so even the padding after the last page lies outside the allocation.
+// A cache over one exact-size block (exact_cache_bytes).
 struct Cache {
   KVCache kv;
   uint8_t* bytes = nullptr;
@@ -57,9 +56,7 @@ inline Cache make_cache(Input& in, Arena& arena, KVFormat format, int64_t num_he
   c.kv.num_pages = in.range(0, 5);
   const int64_t min_stride = (c.kv.page_size * c.kv.bytes_per_token() + 15) / 16 * 16;
   c.kv.page_stride = min_stride + 16 * in.range(0, 2);
-  c.size = c.kv.num_pages == 0 ? 0
-                               : static_cast<size_t>((c.kv.num_pages - 1) * c.kv.page_stride +
-                                                     c.kv.page_size * c.kv.bytes_per_token());
+  c.size = exact_cache_bytes(c.kv);
   c.bytes = arena.alloc(c.size);
   c.kv.data = c.bytes;
   Gen gen(in.u64());

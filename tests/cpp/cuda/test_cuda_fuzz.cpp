@@ -48,7 +48,7 @@ class Mirror {
   }
   KVCache up(const KVCache& host) {
     KVCache d = host;
-    d.data = copy_up(host.data, cache_bytes(host));
+    d.data = copy_up(host.data, fuzz::exact_cache_bytes(host));
     d.device = gpu_test::cuda_device();
     return d;
   }
@@ -61,16 +61,10 @@ class Mirror {
     copy_down(host.data, dev.data, gpu_test::span_bytes(host));
   }
   static void down(const KVCache& dev, const KVCache& host) {
-    copy_down(host.data, dev.data, cache_bytes(host));
+    copy_down(host.data, dev.data, fuzz::exact_cache_bytes(host));
   }
 
  private:
-  // Only the bytes up to the last page's last token: the fuzz targets' caches end there.
-  static size_t cache_bytes(const KVCache& kv) {
-    return kv.num_pages <= 0 ? 0
-                             : static_cast<size_t>((kv.num_pages - 1) * kv.page_stride +
-                                                   kv.page_size * kv.bytes_per_token());
-  }
   static void copy_down(void* host, const void* dev, size_t bytes) {
     if (bytes == 0) return;
     const cudaError_t err = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
