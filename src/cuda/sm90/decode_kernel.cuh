@@ -290,6 +290,7 @@ struct Sm90Cta {
   // row addresses are then issued by the warp once a batch instead of once a tile, and a batch's
   // indices are loaded a batch ahead of their use.
   static constexpr int kBatchTiles = 32 / Cfg::kTokensPerWarp;
+  static_assert(kBatchTiles > 1, "a batch's indices are loaded and resolved in different tiles");
   struct PendingToken {
     int raw;  // >= 0 only below the pair's length (load_raw)
     int pos;  // the token's position in its pair; bit 31: an extra-cache token
@@ -379,7 +380,7 @@ struct Sm90Cta {
     TileCursor<kT> ahead = cur;
     PendingToken pending = load_batch(ahead, end, lane, tok);
     // The first pair's Q goes out right after the first index loads and before they are
-    // resolved, so that the two overlap without Q's copies ahead of the indices (variant 131).
+    // resolved, so that the two overlap without Q's copies ahead of the indices (variant 131b).
     if (cur.valid(p)) load_q(cur, tid);
     int batch_raw = pending.raw;
     RowRef batch = resolve_pending(pending);
@@ -408,7 +409,6 @@ struct Sm90Cta {
       // V32: the next batch's indices go out at the batch's first tile behind this tile's row
       // loads; after the conversion, as 16-bit pages take them below, V32 was 2.5% slower.
       if (Tr::kFP8 && u == 0) pending = load_batch(ahead, end, lane, tok);
-      static_assert(kBatchTiles > 1, "a batch's indices are loaded and resolved in different tiles");
       if (u + 1 == kBatchTiles) next = resolve_pending(pending);
       // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
       // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
@@ -506,7 +506,7 @@ struct Sm90Cta {
       mbar_arrive_on_cp_async(full_bar(st));
       mbar_arrive(full_bar(st));
       // 16-bit pages: the next batch's indices go out behind this tile's TMA boxes, so that a
-      // part's first boxes are not held up by them (variant 131).
+      // part's first boxes are not held up by them (variant 131b).
       if (!Tr::kFP8 && u == 0) pending = load_batch(ahead, end, lane, tok);
 
       cur.advance(p, end);
@@ -642,7 +642,7 @@ struct Sm90Cta {
     TileCursor<kT> ahead = cur;  // the first tile of the batch after the pending one
     PendingToken pending = load_batch(ahead, end, lane, tok);
     // The first pair's Q goes out right after the first index loads and before they are
-    // resolved, so that the two overlap without Q's copies ahead of the indices (variant 131).
+    // resolved, so that the two overlap without Q's copies ahead of the indices (variant 131b).
     if (cur.valid(p)) load_q(cur, tid);
     RowRef ref = resolve_pending(pending);
 #pragma unroll
