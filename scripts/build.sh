@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 "$(dirname "$0")/setup.sh"
 build_dir=${BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release ${SPARSE_MLA_CMAKE_ARGS:-}
-cmake --build "$build_dir" -j "$(nproc)"
+# The log lets scripts/test.sh check what ptxas reported for the kernels compiled in this run.
+cmake --build "$build_dir" -j "$(nproc)" 2>&1 | tee "$build_dir/build.log"

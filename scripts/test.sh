@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build}
 
 scripts/build.sh
+# No kernel may spill registers or use local memory (ptxas -warn-spills,-warn-lmem-usage): a
+# spill in a decode kernel is a performance regression that no test would catch. Only what this
+# run compiled is checked (all of it on a clean clone, as in CI).
+if grep -q "ptxas warning" "$build_dir/build.log"; then
+  grep "ptxas warning" "$build_dir/build.log" >&2
+  echo "test.sh: ptxas reported spills or local memory (above)" >&2
+  exit 1
+fi
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 
 venv=${VENV_DIR:-.venv}
