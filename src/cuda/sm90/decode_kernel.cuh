@@ -344,30 +344,34 @@ struct Sm90Cta {
   }
 
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
+    static_assert(kChunks >= 64 && kChunks <= 96, "a lane copies two or three chunks of a row");
     int i, sq;
     pair_coords(p, c.id, &i, &sq);
-    // Padding rows are zero-filled by the copy too (0 bytes read from the start of q): every
-    // write to Q is a cp.async, so that the thread's one arrival on q_full can be the copies'
-    // completion. The loops are not unrolled: unrolled copies' addresses and predicates spilled
-    // in the producers' registers.
-    if constexpr (Cfg::kStaged) {
+    // Padding rows are zero-filled by the copy too (0 bytes read from q): every write to Q is a
+    // cp.async, so that the thread's one arrival on q_full can be the copies' completion. The
+    // loops are not unrolled: unrolled copies' addresses and predicates spilled in the
+    // producers' registers.
+    if constexpr (F != Fmt::kV32) {
       // A warp a row (rows w, w + kProducerWarps, ...): the row's source is worked out once and
-      // the lanes copy consecutive chunks of it. The copies go out ~1 us sooner than a chunk a
-      // thread (H200, MODEL1 h_q 128 s_q 2 b=2: 1 us of ~23, variant 134), but the 56- and
-      // 80-register producers of the other pages spill with it.
+      // lane l copies chunks l, l + 32 and l + 64, 4 column blocks apart in the swizzled layout.
+      // Its copies go out ~1 us sooner than with a chunk a thread (variants 134, 135); V32's
+      // 80-register producers spill with it.
       const int lane = tid & 31;
 #pragma unroll 1
       for (int r = tid >> 5; r < kRows; r += Cfg::kProducerWarps) {
         const bool live = r < nrows;
-        const uint16_t* src = p.q;
+        const uint16_t* src = p.q + lane * 8;
         if (live) {
           int s, head;
           row_coords(row0 + r, sq, &s, &head);
-          src = p.q + i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2];
+          src += i * p.q_stride[0] + s * p.q_stride[1] + head * p.q_stride[2];
         }
-#pragma unroll 1
-        for (int ch = lane; ch < kChunks; ch += 32) {
-          ptx::cp_async_16_zfill(q_smem() + sw_off(r, ch, kRows), src + ch * 8, live);
+        uint8_t* dst = q_smem() + (lane >> 3) * Cfg::kQBlockBytes + r * 128 +
+                       (((lane & 7) ^ (r & 7)) << 4);
+        ptx::cp_async_16_zfill(dst, src, live);
+        ptx::cp_async_16_zfill(dst + 4 * Cfg::kQBlockBytes, src + 32 * 8, live);
+        if (lane + 64 < kChunks) {
+          ptx::cp_async_16_zfill(dst + 8 * Cfg::kQBlockBytes, src + 64 * 8, live);
         }
       }
     } else {
