@@ -16,12 +16,6 @@
 namespace sparse_mla::cuda::smxx::decode {
 namespace {
 
-struct DeviceInfo {
-  int sm_count = 0;
-  int max_smem_optin = 0;
-  int cc_major = 0;
-};
-
 // Runs f with `device` current, restoring the caller's device.
 template <typename F>
 Status on_device(int device, F&& f) {
@@ -36,16 +30,16 @@ Status on_device(int device, F&& f) {
   return st;
 }
 
-Status device_info(int device, DeviceInfo* info) {
+Status device_limits(int device, DeviceLimits* info) {
   static std::mutex mu;
-  static std::map<int, DeviceInfo> cache;
+  static std::map<int, DeviceLimits> cache;
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(device);
   if (it != cache.end()) {
     *info = it->second;
     return Status::Ok();
   }
-  DeviceInfo d;
+  DeviceLimits d;
   SPARSE_MLA_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
   SPARSE_MLA_CUDA_RETURN_IF_ERROR(
@@ -83,6 +77,8 @@ Status prepare_kernel(const KernelEntry& k, int device, int* ctas_per_sm) {
   return Status::Ok();
 }
 
+}  // namespace
+
 const char* fmt_name(Fmt f) {
   switch (f) {
     case Fmt::kModel1: return "MODEL1";
@@ -92,8 +88,6 @@ const char* fmt_name(Fmt f) {
   }
   return "?";
 }
-
-}  // namespace
 
 KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
   switch (fmt) {
@@ -105,12 +99,8 @@ KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
   return KernelEntry{};
 }
 
-Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
-                         DecodeShape* shape) {
-  DeviceInfo dev;
-  SPARSE_MLA_RETURN_IF_ERROR(device_info(device, &dev));
-
+Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
+                          int64_t max_len, bool sm90, const DeviceLimits& dev, KernelPick* pick) {
   // Fewest padded rows first (a CTA's K tile is dequantized once for all its rows), then the
   // largest tiles that fit the device's shared memory.
   const TileCfg big[] = {TileCfg::kH64T32, TileCfg::kH32T32, TileCfg::kH16T32, TileCfg::kH16T16};
@@ -199,15 +189,33 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
     return Status::Unsupported(std::string("cuda decode: no ") + fmt_name(fmt) +
                                " tile configuration fits the " +
                                std::to_string(dev.max_smem_optin) +
-                               " bytes of shared memory per block of device " +
-                               std::to_string(device));
+                               " bytes of shared memory per block");
   }
+  pick->kernel = k;
+  pick->cfg = cfg;
+  pick->sm90 = use_sm90;
+  return Status::Ok();
+}
+
+Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
+                         DecodeShape* shape) {
+  DeviceLimits dev;
+  SPARSE_MLA_RETURN_IF_ERROR(device_limits(device, &dev));
+  KernelPick pick;
+  Status picked = pick_decode_kernel(fmt, rows_per_group, groups, num_pairs, max_len, sm90, dev,
+                                     &pick);
+  if (!picked.ok()) {
+    return Status(picked.code(), picked.message() + " of device " + std::to_string(device));
+  }
+  const KernelEntry& k = pick.kernel;
+  const bool use_sm90 = pick.sm90;
   int ctas_per_sm = 1;
   SPARSE_MLA_RETURN_IF_ERROR(prepare_kernel(k, device, &ctas_per_sm));
 
   DecodeShape s;
   s.fmt = fmt;
-  s.cfg = cfg;
+  s.cfg = pick.cfg;
   s.sm90 = use_sm90;
   s.kernel = k;
   s.rows_per_group = static_cast<int>(rows_per_group);

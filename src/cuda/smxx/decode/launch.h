@@ -27,6 +27,31 @@ KernelEntry kernel_entry_v32(TileCfg cfg);
 KernelEntry kernel_entry_bf16(TileCfg cfg);
 KernelEntry kernel_entry_fp16(TileCfg cfg);
 
+// "MODEL1", "V32", "BF16", "FP16" (error messages).
+const char* fmt_name(Fmt fmt);
+
+// What the kernel pick needs of a device (make_decode_shape asks the driver; tests pass their
+// own, e.g. less shared memory than the GPU they run on has).
+struct DeviceLimits {
+  int sm_count = 0;
+  int max_smem_optin = 0;  // bytes of shared memory a block may opt in to
+  int cc_major = 0;
+};
+
+// The attention kernel of a decode: a portable tile configuration, or the Hopper kernel.
+struct KernelPick {
+  KernelEntry kernel;
+  TileCfg cfg = TileCfg::kH16T16;  // portable kernels only
+  bool sm90 = false;
+};
+
+// Picks the kernel for these shapes (arguments as in make_decode_shape) on a device with these
+// limits: the portable tile configuration of fewest padded rows that fits its shared memory,
+// and with sm90 the Hopper kernel where it applies (below) and fits; one that does not fit
+// leaves the portable pick in place. Unsupported when no configuration fits.
+Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
+                          int64_t max_len, bool sm90, const DeviceLimits& dev, KernelPick* pick);
+
 // Everything a decode call derives from shapes and the device: the same inputs always give the
 // same shape, so plan() and run() agree without storing anything.
 struct DecodeShape {
