@@ -24,6 +24,13 @@ DeviceLimits hopper_limits(int max_smem_optin) {
   return d;
 }
 
+// The Hopper kernel for `rows` query rows a token list: the narrow 16-row form on FP8 pages at 16
+// rows or fewer, else the 64-row kernel.
+KernelEntry hopper_entry(Fmt fmt, int64_t rows) {
+  const bool narrow = rows <= 16 && (fmt == Fmt::kModel1 || fmt == Fmt::kV32);
+  return narrow ? sm90::narrow_kernel_entry(fmt) : sm90::kernel_entry(fmt);
+}
+
 // A batch large enough that no small-batch rule applies: 128 token lists of 2048 tokens.
 KernelPick pick_big_batch(Fmt fmt, int64_t rows, bool sm90, const DeviceLimits& dev) {
   KernelPick pick;
@@ -47,9 +54,7 @@ class DecodeKernelPick : public ::testing::Test {
 TEST_F(DecodeKernelPick, HopperKernelWhereItFits) {
   for (Fmt fmt : kFmts) {
     for (int64_t rows : {64, 128, 16}) {
-      const bool narrow = rows <= 16 && (fmt == Fmt::kModel1 || fmt == Fmt::kV32);
-      const KernelEntry hopper =
-          narrow ? sm90::narrow_kernel_entry(fmt) : sm90::kernel_entry(fmt);
+      const KernelEntry hopper = hopper_entry(fmt, rows);
       ASSERT_NE(hopper.fn, nullptr);
       const KernelPick pick = pick_big_batch(fmt, rows, true, hopper_limits(232448));
       EXPECT_TRUE(pick.sm90) << fmt_name(fmt) << " rows " << rows;
@@ -63,9 +68,7 @@ TEST_F(DecodeKernelPick, HopperKernelWhereItFits) {
 TEST_F(DecodeKernelPick, HopperKernelThatDoesNotFitFallsBack) {
   for (Fmt fmt : kFmts) {
     for (int64_t rows : {64, 128, 16}) {
-      const bool narrow = rows <= 16 && (fmt == Fmt::kModel1 || fmt == Fmt::kV32);
-      const KernelEntry hopper =
-          narrow ? sm90::narrow_kernel_entry(fmt) : sm90::kernel_entry(fmt);
+      const KernelEntry hopper = hopper_entry(fmt, rows);
       const DeviceLimits dev = hopper_limits(hopper.smem_bytes - 1);
       const KernelPick pick = pick_big_batch(fmt, rows, true, dev);
       const KernelPick portable = pick_big_batch(fmt, rows, false, dev);
