@@ -21,6 +21,7 @@
 #include "tools/bench_report.h"
 #include "tools/bench_torch.h"
 #include "tools/commands.h"
+#include "tools/kernel_span.h"
 #include "tools/timing.h"
 
 #if SPARSE_MLA_WITH_CUDA
@@ -398,6 +399,14 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
   if (!s.ok()) return fail(s);
   res.time = summarize(us);
   res.status = "ok";
+  if (kernel_spans_supported()) {
+    s = time_kernel_spans(timer, stream, launch, tp, &us, &res.span_kernels);
+    if (s.ok()) {
+      res.span_time = summarize(us);
+    } else {
+      res.message = "kernel span: " + s.to_string();
+    }
+  }
   if (cfg.graph) {
     s = timer.time(launch, tp, true, &us);
     if (s.ok()) {
@@ -507,6 +516,11 @@ int bench_command(int argc, char** argv) {
     }
     gpu.detail += ", L2 flush " + std::to_string(timer.flush_bytes() >> 20) + " MiB";
     info.devices.push_back(gpu);
+    if (!kernel_spans_supported()) {
+      std::fprintf(stderr,
+                   "sparse-mla bench: no CUPTI in this build: kernel spans are not "
+                   "measured, every speedup uses the event-timed median\n");
+    }
   }
 #else
   if (use_gpu) {

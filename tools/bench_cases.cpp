@@ -146,6 +146,7 @@ std::vector<Case> all_cases() {
         // E rows draw up to 1024 entries per request: a denser compressed cache (context / 16).
         c.extra_ratio = pc.extra_random_length ? 16 : 4;
         c.flashmla_us = (s_q == 2 ? pc.flashmla_sq2 : pc.flashmla_sq1)[bi];
+        c.flashmla_timed_by_events = s_q == 1;
         c.quick = (c.b == 2 || c.b == 64) && (s_q == 2 || std::string_view(pc.name) == "C1");
         add(c);
       }
@@ -306,6 +307,7 @@ std::vector<Case> all_cases() {
       c.page_size = 64;
       c.causal = true;
       if (f == KVFormat::kBF16) c.flashmla_us = row.flashmla_us;
+      c.flashmla_timed_by_events = true;
       c.quick = row.h_q == 16 && row.s_q == 1;
       add(c);
     }

@@ -56,8 +56,12 @@ struct Case {
   bool consecutive_slots = false;
 
   std::optional<double> flashmla_us;  // FlashMLA's time on H200 (targets.md), when it has a row
-  std::string flashmla_note;          // e.g. "padded to h_q=64"
-  bool quick = false;                 // part of --quick
+  // How targets.md timed that figure: with CUDA events around the call (its s_q = 1 and imbalanced
+  // tables), or else as the span of the call's kernels (a profiler: the s_q = 2, peak and dense
+  // tables). The speedup compares our time taken the same way.
+  bool flashmla_timed_by_events = false;
+  std::string flashmla_note;  // e.g. "padded to h_q=64"
+  bool quick = false;         // part of --quick
 };
 
 // Every case, in a stable order.

@@ -50,6 +50,8 @@ struct Result {
   std::string message;
   TimingStats time;
   std::optional<TimingStats> graph_time;  // CUDA graph replay, with --graph
+  std::optional<TimingStats> span_time;   // kernel spans (GPU backends, builds with CUPTI)
+  int span_kernels = 0;                   // kernels a call launched, from the same trace
   Verdict verdict;
   const Ceilings* ceilings = nullptr;
   bool on_gpu = false;  // FlashMLA's times are H200 figures: a ratio only means something on a GPU
@@ -63,9 +65,12 @@ struct Record {
   std::vector<Result> results;
 };
 
-// Derived metrics of a result (NaN when not applicable).
+// Derived metrics of a result (NaN when not applicable). us is the event-timed median; the
+// speedup divides FlashMLA's time by ours taken as targets.md took FlashMLA's (speedup_basis:
+// "events" or "kernel span"; events where no span was measured, which can only lower it).
 struct Metrics {
   double us, tflops, gbps, roofline_pct, speedup_vs_flashmla;
+  const char* speedup_basis;
 };
 Metrics metrics(const Record& r, const Result& res);
 
