@@ -3,10 +3,12 @@
 #if SPARSE_MLA_WITH_CUDA
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #if SPARSE_MLA_WITH_CUPTI
 #include <cupti.h>
@@ -68,21 +70,47 @@ Status take_kernels(int* kernels, double* span_us) {
   return Status::Ok();
 }
 
+// Holds the stream until the host has enqueued a whole run: traced launches take the host tens of
+// microseconds each, and a kernel that reached the GPU late would lengthen the span.
+class HostGate {
+ public:
+  Status close(cudaStream_t stream) {
+    open_.store(false, std::memory_order_relaxed);
+    return cuda_check(cudaLaunchHostFunc(stream, wait, this), "cudaLaunchHostFunc");
+  }
+  void open() { open_.store(true, std::memory_order_release); }
+
+ private:
+  static void CUDART_CB wait(void* gate) {
+    const auto* g = static_cast<const HostGate*>(gate);
+    while (!g->open_.load(std::memory_order_acquire)) std::this_thread::yield();
+  }
+  std::atomic<bool> open_{true};
+};
+
+// One run: the L2 flush and the call, enqueued behind a closed gate, then waited for.
+Status gated_run(HostGate& gate, GpuTimer& timer, cudaStream_t stream,
+                 const std::function<Status()>& launch) {
+  SPARSE_MLA_RETURN_IF_ERROR(gate.close(stream));
+  Status st = timer.flush();
+  if (st.ok()) st = launch();
+  gate.open();
+  Status done = cuda_check(cudaStreamSynchronize(stream), "timed run");
+  return st.ok() ? done : st;
+}
+
 Status traced_runs(GpuTimer& timer, cudaStream_t stream, const std::function<Status()>& launch,
                    const TimingPlan& plan, std::vector<double>* us, int* kernels_per_call) {
   int kernels = 0;
   double span = 0;
+  HostGate gate;
   for (int i = 0; i < plan.warmup; ++i) {
-    SPARSE_MLA_RETURN_IF_ERROR(timer.flush());
-    SPARSE_MLA_RETURN_IF_ERROR(launch());
+    SPARSE_MLA_RETURN_IF_ERROR(gated_run(gate, timer, stream, launch));
   }
-  SPARSE_MLA_RETURN_IF_ERROR(cuda_check(cudaStreamSynchronize(stream), "warm-up"));
   SPARSE_MLA_RETURN_IF_ERROR(take_kernels(&kernels, &span));
   *kernels_per_call = 0;
   for (int i = 0; i < plan.runs; ++i) {
-    SPARSE_MLA_RETURN_IF_ERROR(timer.flush());
-    SPARSE_MLA_RETURN_IF_ERROR(launch());
-    SPARSE_MLA_RETURN_IF_ERROR(cuda_check(cudaStreamSynchronize(stream), "timed run"));
+    SPARSE_MLA_RETURN_IF_ERROR(gated_run(gate, timer, stream, launch));
     SPARSE_MLA_RETURN_IF_ERROR(take_kernels(&kernels, &span));
     if (kernels == 0 || (i > 0 && kernels != *kernels_per_call)) {
       return Status::DeviceError("kernel trace: run " + std::to_string(i) + " recorded " +
