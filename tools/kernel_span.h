@@ -17,11 +17,11 @@ namespace sparse_mla::tools {
 // Whether this build can time kernel spans.
 bool kernel_spans_supported();
 
-// Times `plan.runs` runs of `launch` as GpuTimer does (L2 flushed before each, the same warm-up),
-// with kernel activity tracing on, and gives each run's span in microseconds. Each run is enqueued
-// whole before the GPU starts it (tracing slows the host's launches) and synchronized before its
-// records are read, so every span holds exactly the kernels of one call; their number (the same in
-// every run, or an error) goes to *kernels_per_call.
+// Times `plan.runs` runs of `launch` as GpuTimer does (L2 flushed before each, the same warm-up,
+// batches of 10 runs back to back), with kernel and memset activity tracing on, and gives each
+// run's span in microseconds. A batch is enqueued whole before the GPU starts it (tracing slows
+// the host's launches), and its records are split into runs at the flush memsets; every run must
+// hold the same number of kernels, which goes to *kernels_per_call.
 Status time_kernel_spans(GpuTimer& timer, cudaStream_t stream,
                          const std::function<Status()>& launch, const TimingPlan& plan,
                          std::vector<double>* us, int* kernels_per_call);
