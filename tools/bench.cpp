@@ -396,7 +396,8 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
   std::vector<double> us, span_us, part_us;
   auto launch = [&] { return run_op(c, args, ws, opt); };
   // Event-timed and traced (kernel span) batches of runs alternate, so that both see the GPU in
-  // the same state: run one after the other, the traced pass of a 3 ms call ran 3-6% slower.
+  // the same state: a traced pass after the event pass read the 1.4-3 ms calls 2-7% slower
+  // (bench/results/20261202-0528_nvidia-h200_b3c4777_kernel_span_probes.txt).
   Status span_status = kernel_spans_supported() ? Status::Ok() : Status::Unsupported("no CUPTI");
   const int batch = 10;
   for (int done = 0; done < tp.runs; done += batch) {
@@ -428,7 +429,7 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
     if (s.ok()) {
       res.graph_time = summarize(us);
     } else {
-      res.message = "graph: " + s.to_string();
+      res.message += (res.message.empty() ? "graph: " : "; graph: ") + s.to_string();
     }
   }
   return res;

@@ -67,7 +67,7 @@ struct Record {
 
 // Derived metrics of a result (NaN when not applicable). us is the event-timed median; the
 // speedup divides FlashMLA's time by ours taken as targets.md took FlashMLA's (speedup_basis:
-// "events" or "kernel span"; events where no span was measured, which can only lower it).
+// "events" or "kernel span"; events where no span was measured).
 struct Metrics {
   double us, tflops, gbps, roofline_pct, speedup_vs_flashmla;
   const char* speedup_basis;
