@@ -1,15 +1,14 @@
 #include "tools/kernel_span.h"
 
-#if SPARSE_MLA_WITH_CUDA
-
 #include <algorithm>
+#include <string>
+
+#if SPARSE_MLA_WITH_CUDA
 #include <atomic>
-#include <cstdint>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <thread>
-#include <vector>
+#endif
 
 #if SPARSE_MLA_WITH_CUPTI
 #include <cupti.h>
@@ -17,18 +16,53 @@
 
 namespace sparse_mla::tools {
 
+Status append_run_spans(std::vector<TracedActivity> log, int runs, std::vector<double>* us,
+                        int* kernels_per_call) {
+  std::sort(log.begin(), log.end(),
+            [](const TracedActivity& a, const TracedActivity& b) { return a.start < b.start; });
+  int run = -1, kernels = 0;
+  uint64_t first = 0, last = 0;
+  auto close_run = [&]() -> Status {
+    if (run < 0) return Status::Ok();
+    if (kernels == 0 || (*kernels_per_call && kernels != *kernels_per_call)) {
+      return Status::DeviceError("kernel trace: a run recorded " + std::to_string(kernels) +
+                                 " kernels, expected " +
+                                 (*kernels_per_call ? std::to_string(*kernels_per_call) : ">= 1") +
+                                 " (is another profiler attached?)");
+    }
+    *kernels_per_call = kernels;
+    us->push_back(static_cast<double>(last - first) * 1e-3);
+    return Status::Ok();
+  };
+  for (const TracedActivity& a : log) {
+    if (a.memset) {
+      SPARSE_MLA_RETURN_IF_ERROR(close_run());
+      ++run;
+      kernels = 0;
+    } else if (run >= 0) {
+      first = kernels ? std::min(first, a.start) : a.start;
+      last = kernels ? std::max(last, a.end) : a.end;
+      ++kernels;
+    }
+  }
+  SPARSE_MLA_RETURN_IF_ERROR(close_run());
+  if (run + 1 != runs) {
+    return Status::DeviceError("kernel trace: " + std::to_string(run + 1) +
+                               " L2 flushes recorded for " + std::to_string(runs) + " runs");
+  }
+  return Status::Ok();
+}
+
+#if SPARSE_MLA_WITH_CUDA
+
 #if SPARSE_MLA_WITH_CUPTI
 
 namespace {
 
 // CUPTI hands records over in buffers through two C callbacks, so what it recorded since the last
 // read is kept here: kernels, and the memsets that start each run (the L2 flush).
-struct Activity {
-  bool memset;
-  uint64_t start, end;  // ns
-};
 std::mutex g_mu;
-std::vector<Activity> g_log;
+std::vector<TracedActivity> g_log;
 
 constexpr size_t kBufferBytes = 1 << 20;
 
@@ -61,7 +95,7 @@ Status cupti_check(CUptiResult r, const char* what) {
 }
 
 // Reads and clears what was recorded since the last call; the stream must be idle.
-Status take_activities(std::vector<Activity>* out) {
+Status take_activities(std::vector<TracedActivity>* out) {
   SPARSE_MLA_RETURN_IF_ERROR(cupti_check(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED),
                                          "cuptiActivityFlushAll"));
   std::lock_guard<std::mutex> lock(g_mu);
@@ -105,48 +139,9 @@ Status gated_batch(int n, GpuTimer& timer, cudaStream_t stream,
   return st.ok() ? done : st;
 }
 
-// Splits a batch's records into runs at the flush memsets (stream order is time order) and appends
-// each run's span; every run must hold the same number of kernels.
-Status append_spans(std::vector<Activity> log, int runs, std::vector<double>* us,
-                    int* kernels_per_call) {
-  std::sort(log.begin(), log.end(),
-            [](const Activity& a, const Activity& b) { return a.start < b.start; });
-  int run = -1, kernels = 0;
-  uint64_t first = 0, last = 0;
-  auto close_run = [&]() -> Status {
-    if (run < 0) return Status::Ok();
-    if (kernels == 0 || (*kernels_per_call && kernels != *kernels_per_call)) {
-      return Status::DeviceError("kernel trace: a run recorded " + std::to_string(kernels) +
-                                 " kernels, expected " +
-                                 (*kernels_per_call ? std::to_string(*kernels_per_call) : ">= 1") +
-                                 " (is another profiler attached?)");
-    }
-    *kernels_per_call = kernels;
-    us->push_back(static_cast<double>(last - first) * 1e-3);
-    return Status::Ok();
-  };
-  for (const Activity& a : log) {
-    if (a.memset) {
-      SPARSE_MLA_RETURN_IF_ERROR(close_run());
-      ++run;
-      kernels = 0;
-    } else if (run >= 0) {
-      first = kernels ? std::min(first, a.start) : a.start;
-      last = kernels ? std::max(last, a.end) : a.end;
-      ++kernels;
-    }
-  }
-  SPARSE_MLA_RETURN_IF_ERROR(close_run());
-  if (run + 1 != runs) {
-    return Status::DeviceError("kernel trace: " + std::to_string(run + 1) +
-                               " L2 flushes recorded for " + std::to_string(runs) + " runs");
-  }
-  return Status::Ok();
-}
-
 Status traced_runs(GpuTimer& timer, cudaStream_t stream, const std::function<Status()>& launch,
                    const TimingPlan& plan, std::vector<double>* us, int* kernels_per_call) {
-  std::vector<Activity> log;
+  std::vector<TracedActivity> log;
   *kernels_per_call = 0;
   SPARSE_MLA_RETURN_IF_ERROR(gated_batch(plan.warmup, timer, stream, launch));
   SPARSE_MLA_RETURN_IF_ERROR(take_activities(&log));
@@ -155,7 +150,7 @@ Status traced_runs(GpuTimer& timer, cudaStream_t stream, const std::function<Sta
     const int n = std::min(batch, plan.runs - done);
     SPARSE_MLA_RETURN_IF_ERROR(gated_batch(n, timer, stream, launch));
     SPARSE_MLA_RETURN_IF_ERROR(take_activities(&log));
-    SPARSE_MLA_RETURN_IF_ERROR(append_spans(std::move(log), n, us, kernels_per_call));
+    SPARSE_MLA_RETURN_IF_ERROR(append_run_spans(std::move(log), n, us, kernels_per_call));
   }
   return Status::Ok();
 }
@@ -183,7 +178,7 @@ Status time_kernel_spans(GpuTimer& timer, cudaStream_t stream,
     Status off = cupti_check(cuptiActivityDisable(k), "cuptiActivityDisable");
     if (st.ok()) st = off;
   }
-  std::vector<Activity> rest;
+  std::vector<TracedActivity> rest;
   Status drained = take_activities(&rest);
   return st.ok() ? drained : st;
 }
@@ -201,6 +196,6 @@ Status time_kernel_spans(GpuTimer&, cudaStream_t, const std::function<Status()>&
 
 #endif  // SPARSE_MLA_WITH_CUPTI
 
-}  // namespace sparse_mla::tools
-
 #endif  // SPARSE_MLA_WITH_CUDA
+
+}  // namespace sparse_mla::tools
