@@ -142,17 +142,11 @@ Status gated_batch(int n, GpuTimer& timer, cudaStream_t stream,
 Status traced_runs(GpuTimer& timer, cudaStream_t stream, const std::function<Status()>& launch,
                    const TimingPlan& plan, std::vector<double>* us, int* kernels_per_call) {
   std::vector<TracedActivity> log;
-  *kernels_per_call = 0;
   SPARSE_MLA_RETURN_IF_ERROR(gated_batch(plan.warmup, timer, stream, launch));
   SPARSE_MLA_RETURN_IF_ERROR(take_activities(&log));
-  const int batch = 10;  // as the event-timed pass
-  for (int done = 0; done < plan.runs; done += batch) {
-    const int n = std::min(batch, plan.runs - done);
-    SPARSE_MLA_RETURN_IF_ERROR(gated_batch(n, timer, stream, launch));
-    SPARSE_MLA_RETURN_IF_ERROR(take_activities(&log));
-    SPARSE_MLA_RETURN_IF_ERROR(append_run_spans(std::move(log), n, us, kernels_per_call));
-  }
-  return Status::Ok();
+  SPARSE_MLA_RETURN_IF_ERROR(gated_batch(plan.runs, timer, stream, launch));
+  SPARSE_MLA_RETURN_IF_ERROR(take_activities(&log));
+  return append_run_spans(std::move(log), plan.runs, us, kernels_per_call);
 }
 
 }  // namespace
@@ -188,9 +182,8 @@ Status time_kernel_spans(GpuTimer& timer, cudaStream_t stream,
 bool kernel_spans_supported() { return false; }
 
 Status time_kernel_spans(GpuTimer&, cudaStream_t, const std::function<Status()>&, const TimingPlan&,
-                         std::vector<double>* us, int* kernels_per_call) {
+                         std::vector<double>* us, int*) {
   us->clear();
-  *kernels_per_call = 0;
   return Status::Unsupported("kernel spans: this build has no CUPTI (CMake did not find it)");
 }
 

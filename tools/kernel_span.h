@@ -31,11 +31,12 @@ Status append_run_spans(std::vector<TracedActivity> log, int runs, std::vector<d
 // Whether this build can time kernel spans.
 bool kernel_spans_supported();
 
-// Times `plan.runs` runs of `launch` as GpuTimer does (L2 flushed before each, the same warm-up,
-// batches of 10 runs back to back), with kernel and memset activity tracing on, and gives each
-// run's span in microseconds. A batch is enqueued whole before the GPU starts it (tracing slows
-// the host's launches), and its records are split into runs at the flush memsets; every run must
-// hold the same number of kernels, which goes to *kernels_per_call.
+// Times `plan.runs` runs of `launch` back to back as GpuTimer does (L2 flushed before each, the
+// same warm-up), with kernel and memset activity tracing on, and gives each run's span in
+// microseconds. The runs are enqueued whole before the GPU starts them (tracing slows the host's
+// launches), so keep `plan.runs` to a batch; their records are split into runs at the flush
+// memsets, and every run must hold *kernels_per_call kernels (0 on entry: whatever the first run
+// holds, written back), which carries the check across calls.
 Status time_kernel_spans(GpuTimer& timer, cudaStream_t stream,
                          const std::function<Status()>& launch, const TimingPlan& plan,
                          std::vector<double>* us, int* kernels_per_call);

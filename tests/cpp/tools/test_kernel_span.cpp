@@ -13,6 +13,12 @@ namespace {
 TracedActivity memset_at(uint64_t start) { return {true, start, start + 40000}; }
 TracedActivity kernel(uint64_t start, uint64_t end) { return {false, start, end}; }
 
+// The split of `log` into `runs` runs when each must hold `kernels` kernels (0: not yet known).
+Status split(const std::vector<TracedActivity>& log, int runs, int kernels = 0) {
+  std::vector<double> us;
+  return append_run_spans(log, runs, &us, &kernels);
+}
+
 TEST(KernelSpan, SplitsRunsAtTheFlushesInTimeOrder) {
   // Two runs of an attention kernel and a combine that starts early (programmatic launch) and
   // ends last; records arrive out of order, and one kernel before the first flush is left out.
@@ -29,36 +35,26 @@ TEST(KernelSpan, SplitsRunsAtTheFlushesInTimeOrder) {
 }
 
 TEST(KernelSpan, EveryRunMustRecordTheSameKernels) {
-  std::vector<TracedActivity> log = {memset_at(0), kernel(100, 200), kernel(150, 300),
-                                     memset_at(1000), kernel(1100, 1200)};
-  std::vector<double> us;
-  int kernels = 0;
-  const Status st = append_run_spans(log, 2, &us, &kernels);
+  const Status st = split(
+      {memset_at(0), kernel(100, 200), kernel(150, 300), memset_at(1000), kernel(1100, 1200)}, 2);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("recorded 1 kernels, expected 2"), std::string::npos) << st.message();
 }
 
 TEST(KernelSpan, KernelsKnownFromAnEarlierBatchAreChecked) {
-  std::vector<TracedActivity> log = {memset_at(0), kernel(100, 200)};
-  std::vector<double> us;
-  int kernels = 2;
-  EXPECT_FALSE(append_run_spans(log, 1, &us, &kernels).ok());
+  const Status st = split({memset_at(0), kernel(100, 200)}, 1, 2);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("recorded 1 kernels, expected 2"), std::string::npos) << st.message();
 }
 
 TEST(KernelSpan, ARunWithoutKernelsIsAnError) {
-  std::vector<TracedActivity> log = {memset_at(0), memset_at(1000), kernel(1100, 1200)};
-  std::vector<double> us;
-  int kernels = 0;
-  const Status st = append_run_spans(log, 2, &us, &kernels);
+  const Status st = split({memset_at(0), memset_at(1000), kernel(1100, 1200)}, 2);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("recorded 0 kernels"), std::string::npos) << st.message();
 }
 
 TEST(KernelSpan, TheFlushesMustMatchTheRuns) {
-  std::vector<TracedActivity> log = {memset_at(0), kernel(100, 200)};
-  std::vector<double> us;
-  int kernels = 0;
-  const Status st = append_run_spans(log, 2, &us, &kernels);
+  const Status st = split({memset_at(0), kernel(100, 200)}, 2);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("1 L2 flushes recorded for 2 runs"), std::string::npos)
       << st.message();
