@@ -395,21 +395,27 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
   tp.min_runs = cfg.runs;
   std::vector<double> us, span_us, part_us;
   auto launch = [&] { return run_op(c, args, ws, opt); };
-  // Event-timed and traced (kernel span) batches of runs alternate, so that both see the GPU in
-  // the same state: a traced pass after the event pass read the 1.4-3 ms calls 2-7% slower
-  // (bench/results/20261202-0528_nvidia-h200_b3c4777_kernel_span_probes.txt).
+  // Event-timed and traced (kernel span) batches of runs alternate in the order events, traced,
+  // traced, events, ..., so that both see the GPU at the same average point of the case: on
+  // calls of a millisecond or more later batches run slower under sustained load, by up to 13%
+  // over a case (bench/results/20261202-0630_nvidia-h200_27192b4_span_order_probe.txt).
   Status span_status = kernel_spans_supported() ? Status::Ok() : Status::Unsupported("no CUPTI");
   const int batch = 10;
-  for (int done = 0; done < tp.runs; done += batch) {
+  for (int done = 0, pair = 0; done < tp.runs; done += batch, ++pair) {
     TimingPlan part = tp;
     part.runs = part.min_runs = std::min(batch, tp.runs - done);
     part.warmup = done ? 0 : tp.warmup;
+    auto traced_batch = [&] {
+      if (!span_status.ok()) return;
+      span_status = time_kernel_spans(timer, stream, launch, part, &part_us, &res.span_kernels);
+      span_us.insert(span_us.end(), part_us.begin(), part_us.end());
+    };
+    const bool traced_first = pair % 2 == 1;
+    if (traced_first) traced_batch();
     s = timer.time(launch, part, false, &part_us);
     if (!s.ok()) return fail(s);
     us.insert(us.end(), part_us.begin(), part_us.end());
-    if (!span_status.ok()) continue;
-    span_status = time_kernel_spans(timer, stream, launch, part, &part_us, &res.span_kernels);
-    span_us.insert(span_us.end(), part_us.begin(), part_us.end());
+    if (!traced_first) traced_batch();
   }
   res.time = summarize(us);
   res.status = "ok";
