@@ -397,8 +397,9 @@ Result run_gpu(const Case& c, const Inputs& in, const Expected& expected, Backen
   auto launch = [&] { return run_op(c, args, ws, opt); };
   // Event-timed and traced (kernel span) batches of runs alternate in the order events, traced,
   // traced, events, ..., so that both see the GPU at the same average point of the case: on
-  // calls of a millisecond or more later batches run slower under sustained load, by up to 13%
-  // over a case (bench/results/20261202-0630_nvidia-h200_27192b4_span_order_probe.txt).
+  // calls of a millisecond or more later batches run slower, by up to 13% over a case, as the
+  // GPU reaches its power limit (bench/results/20261202-0626_*_span_order_probe.txt and
+  // 20261202-0635_*_clocks_under_load.txt).
   Status span_status = kernel_spans_supported() ? Status::Ok() : Status::Unsupported("no CUPTI");
   const int batch = 10;
   for (int done = 0, pair = 0; done < tp.runs; done += batch, ++pair) {
