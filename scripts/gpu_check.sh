@@ -51,8 +51,16 @@ for s in $steps; do
       step run bash -c "$build_dir/tools/sparse-mla run && \
         $build_dir/tools/sparse-mla run --model dsv4-pro --batch 64 --context 32768 --mtp && \
         $build_dir/tools/sparse-mla run --backend cuda" ;;
-    bench)
-      step bench bash -c "$build_dir/tools/sparse-mla bench --out-dir '$out' ${BENCH_ARGS:-}" ;;
+    bench)  # with the SM clock sampled: the long rows run at the GPU's power limit
+      # (docs/benchmarking.md), which bench_clocks.csv shows (reason 0x4: SW power cap)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active \
+        --format=csv,noheader -lms 100 >"$out/bench_clocks.csv" 2>&1 &
+      sampler=$!
+      step bench bash -c "$build_dir/tools/sparse-mla bench --out-dir '$out' ${BENCH_ARGS:-}"
+      kill $sampler 2>/dev/null
+      awk -F', ' 'NF >= 4 && $2 + 0 > 0 { n++; if (!m || $2 + 0 < m) m = $2 + 0;
+        if ($4 ~ /[4-7c-f]$/) c++ } END { if (n) printf "bench clocks: %d samples, lowest SM clock %d MHz, %d at the SW power cap\n", n, m, c }' \
+        "$out/bench_clocks.csv" >"$out/bench_clocks.txt" ;;
   esac
 done
 
@@ -68,12 +76,14 @@ grep -h -E "PASSED|FAILED" "$out/test.log" "$out/test_sm90.log" 2>/dev/null | ta
 cat "$out/sanitize_summary.txt" 2>/dev/null
 [ -f "$out/sm90/sanitize_summary.txt" ] && { echo "sm90 backend:"; cat "$out/sm90/sanitize_summary.txt"; }
 grep -h -E "passed|failed" "$out/python.log" 2>/dev/null | tail -1
+cat "$out/bench_clocks.txt" 2>/dev/null
 # The device tool returns at most 8 files: the logs this script wrote travel as one archive beside
 # the results, named by time so that a later call into the same $out keeps the earlier one.
 (cd "$out" || exit
   written=()
   for f in {build,test,test_sm90,python,sanitize,sanitize_sm90,run,bench}.log \
-    sanitize_{memcheck,racecheck,initcheck,synccheck}.log sanitize_summary.txt sm90; do
+    sanitize_{memcheck,racecheck,initcheck,synccheck}.log sanitize_summary.txt sm90 \
+    bench_clocks.csv bench_clocks.txt; do
     [ -e "$f" ] && written+=("$f")
   done
   if [ ${#written[@]} -gt 0 ]; then
