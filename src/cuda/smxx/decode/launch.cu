@@ -157,10 +157,10 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
   // 527 against 729, V32 583 against 797); 16-bit pages, which the Hopper kernel loads by TMA,
   // take the 64-row CTAs at any row count (Hopper against portable, dense bf16 s_k 16384: h_q 16
   // 598 against 696 us, h_q 1 591 against 689). Small batches (above) finish sooner on 32-row
-  // portable CTAs (H200, MODEL1 b = 2: 17-18 us against 19-21 us on the 6 h_q 64 rows this rule
-  // routes; the h_q 128 s_q 2 rows are not small by it and stay on the Hopper kernel, which is as
-  // fast or faster there). Test hook: SPARSE_MLA_SM90_SMALL_BATCHES=1 keeps small batches on the
-  // Hopper kernel, so that the small shapes of the GPU tests cover it.
+  // portable CTAs (H200, MODEL1 b = 2, kernel spans: 13.1-16.3 us against 14.7-19.0 us on the 6
+  // rows this rule routes; the h_q 128 s_q 2 rows are not small by it and stay on the Hopper
+  // kernel). Test hook: SPARSE_MLA_SM90_SMALL_BATCHES=1 keeps small batches on the Hopper kernel,
+  // so that the small shapes of the GPU tests cover it.
   const char* sm90_small = std::getenv("SPARSE_MLA_SM90_SMALL_BATCHES");
   const bool keep_small = sm90_small != nullptr && std::string(sm90_small) == "1";
   const bool wide = rows_per_group > 16 || fmt == Fmt::kBF16 || fmt == Fmt::kFP16;
