@@ -438,7 +438,8 @@ struct Sm90Cta {
       // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
       // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
       // of its throughput on dense bf16 h_q 128, the extra requests cost 1-3% (variant 26), and
-      // 15% on the memory-bound rows whose CTA is their only reader (variant 137).
+      // 15% on the memory-bound rows whose CTA is their only reader (variant 137), also as one
+      // bulk prefetch a warp, 1 or 2 tiles ahead (variant 140).
       // Each lane that holds a row of the next tile asks for its kLines 128-byte lines (a row at
       // any 16-byte offset spans that many). One bulk prefetch a row instead takes a uniform
       // address, which the compiler issues lane by lane in a loop.
