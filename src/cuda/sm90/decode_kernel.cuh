@@ -1,30 +1,26 @@
 // The Hopper (sm_90a) decode kernel: same work split, plan, parameters and combine as the portable
 // kernel (src/cuda/smxx/decode/), with warpgroup MMAs fed from shared memory.
 //
-// One CTA owns 64 query rows and walks the tiles of its part (64 tokens, MODEL1 48); four
+// One CTA owns 64 query rows and walks the tiles of its part (64 tokens, FP8 pages 48); four
 // warpgroups:
 //   producers (warps 0-7): gather each tile's rows, kT / 8 tokens a warp, and write them as a bf16
-//             tile for all 64 rows. MODEL1: raw rows land by bulk copy (one a token; the
-//             scales by cp.async) in a ring of two raw stages, far ahead of their use, and are
-//             dequantized from there (the gather latency stays off the producers' path). V32:
-//             rows go through registers (no shared memory left for a ring at d_qk 576).
-//             bf16/fp16: straight into the tile, dense pages by TMA (a box of 8 tokens x 64
+//             tile for all 64 rows. FP8 pages: raw rows land by bulk copy (one a token; MODEL1's
+//             footer scales by cp.async) in raw stages (MODEL1 two, V32 one), ahead of their
+//             use, and are dequantized from there (the gather latency stays off the producers'
+//             path). bf16/fp16: straight into the tile, dense pages by TMA (a box of 8 tokens x 64
 //             dims), rows TMA cannot take by cp.async. They also load Q at the start of
 //             every pair. Where no other CTA reads the same rows (the token list's rows fit
 //             one CTA), the row loads are evicted first from L2: a stream read once, which
 //             should not push out what the rest of the program keeps there.
 //   consumers (warps 8-15), two warpgroups; O stays in registers, V is the tile's first 512
 //             dims read MN-major; S is a wgmma with both operands in shared memory.
-//             16-bit and MODEL1 pages: consumer 0 computes S for the whole tile (wgmma
-//             m64n64 / m64n48), the softmax of all rows, and writes P (as wgmma A fragments)
-//             and the rows' rescale factors into shared memory; consumer 0 accumulates
-//             O[:, 0, 128), consumer 1 O[:, 128, 512) while consumer 0 goes on to the next
-//             tile's S and softmax, both with P from registers. V32 pages: consumer c computes
-//             S for tokens [c kT/2, (c+1) kT/2) (m64n32), the two exchange their row maxima and
-//             write P for their tokens, and consumer c accumulates O[:, 256c, 256c + 256) with
-//             P read from shared memory.
-// Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, and two named barriers
-// between the consumers per tile (single S: P ready, P read; V32: row maxima, P ready).
+//             Consumer 0 computes S for the whole tile (wgmma m64n64 / m64n48), the softmax
+//             of all rows, and writes P (as wgmma A fragments) and the rows' rescale factors
+//             into shared memory; consumer 0 accumulates O[:, 0, 128), consumer 1 O[:, 128,
+//             512) while consumer 0 goes on to the next tile's S and softmax, both with P from
+//             registers.
+// Hand-offs: full/empty mbarriers per tile stage, q_full/q_empty for Q, a named barrier (P
+// ready) and an mbarrier (P read) between the consumers per tile.
 //
 // Shared-memory operands use the 128-byte swizzle: a [rows x d] matrix is stored as d / 64
 // blocks of [rows x 128 bytes]; 16-byte chunk c of row r sits at chunk c ^ (r % 8).
@@ -69,67 +65,64 @@ struct Sm90Config {
   static constexpr int kRows = kRowsArg;  // query rows per CTA
   static constexpr bool kNarrow = kRows < 64;
   static_assert(kRows == 64 || (kRows == 16 && Traits::kFP8), "wide, or narrow FP8 CTAs");
-  // MODEL1 stages its raw rows (kStaged): 48-token tiles make room for the ring next to two
-  // bf16 stages and Q in the 227 KB of shared memory; a narrow CTA's Q is small enough for 64.
-  static constexpr bool kStaged = F == Fmt::kModel1;
+  // FP8 pages stage their raw rows (kStaged): bulk copies land them in raw stages, and the
+  // producers convert from there. 48-token tiles make room for the raw stages next to two bf16
+  // stages and Q in the 227 KB of shared memory: two for MODEL1, one for V32's larger rows and
+  // d_qk (a V32 warp copies its next tile's rows as soon as it has converted this one's; 32-token
+  // tiles with three raw stages were 6% slower, variant 141). Narrow CTAs keep 64-token tiles:
+  // MODEL1's small Q leaves room for two raw stages, V32's rows go through registers.
+  static constexpr bool kStaged = F == Fmt::kModel1 || (F == Fmt::kV32 && !kNarrow);
   static constexpr int kT = kStaged && !kNarrow ? 48 : 64;  // tokens per tile
   static constexpr int kDqk = Traits::kDqk;
   static constexpr int kStages = 2;
-  static constexpr int kRawStages = kStaged ? 2 : 0;
+  static constexpr int kRawStages = !kStaged ? 0 : (F == Fmt::kModel1 ? 2 : 1);
   static constexpr int kProducerWarps = 8;
   static constexpr int kProducerThreads = kProducerWarps * 32;
   static constexpr int kTokensPerWarp = kT / kProducerWarps;
   static constexpr int kThreads = kProducerThreads + 256;
-  // 16-bit and MODEL1 pages (kSingleS): consumer 0 computes S for the whole tile and the
+  // The consumers split by role: consumer 0 computes S for the whole tile (narrow: S^T) and the
   // softmax, and accumulates output dims [0, kDimsS); consumer 1 the others, overlapping the
-  // next tile's S and softmax. Producers that copy (56 registers) or convert from the raw stages
-  // (MODEL1, 72: at 64 they wait longer on their loads) leave room for consumer 1's 192
-  // accumulators and the P fragments of its wgmma in flight (232; at 224 ptxas serializes its
-  // wgmma). V32's producers convert from registers and need 80, so its consumers split the
-  // tile's tokens and the output dims evenly (176 registers each).
-  // Narrow CTAs split by role and output dims the same way: consumer 0 computes S^T, the
-  // softmax and O^T for [0, 128), consumer 1 O^T for [128, 512) (with 256 dims each, consumer 0
-  // was the slower one: variant 109); their accumulators are small.
-  static constexpr bool kSingleS = !Traits::kFP8 || kStaged || kNarrow;
-  static constexpr int kDimsS = kSingleS ? 128 : 256;
-  // Narrow consumers need few registers, so narrow producers get more: 128 on MODEL1 pages, 96
-  // on V32 pages (variants 110, 111: MODEL1 at 72 / 96 was 2-5% slower, V32 at 80 4% and at
-  // 112 / 128 4-5% slower).
-  static constexpr int kProducerRegs = kNarrow   ? (kStaged ? 128 : 96)
-                                       : kStaged ? 72
-                                                 : (kSingleS ? 56 : 80);
+  // next tile's S and softmax (with 256 dims each, consumer 0 was the slower one: variant 109).
+  // Producers that copy (56 registers) or convert from the raw stages (72: at 64 they wait
+  // longer on their loads) leave room for consumer 1's 192 accumulators and the P fragments of
+  // its wgmma in flight (232; at 224 ptxas serializes its wgmma). Narrow consumers' accumulators
+  // are small, so narrow producers get more: 128 on MODEL1 pages, 96 on V32 pages (variants 110,
+  // 111: MODEL1 at 72 / 96 was 2-5% slower, V32 at 80 4% and at 112 / 128 4-5% slower).
+  static constexpr int kDimsS = 128;
+  static constexpr int kProducerRegs = kNarrow ? (kStaged ? 128 : 96) : (kStaged ? 72 : 56);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
-  static constexpr int kPVRegs =
-      kNarrow ? 256 - kProducerRegs : (kSingleS ? 232 : 256 - kProducerRegs);
+  static constexpr int kPVRegs = kNarrow ? 256 - kProducerRegs : 232;
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
-  static constexpr int kSN = kSingleS ? kT : kT / 2;  // tokens of a tile in one S
 
   static constexpr int kBlockBytes = kT * 128;    // one 64-dim column block of a tile
   static constexpr int kQBlockBytes = kRows * 128;  // ... of Q
   static constexpr int kQBytes = kRows * kDqk * 2;
   static constexpr int kTileBytes = kT * kDqk * 2;
   static constexpr int kPBytes = kRows * 128;  // P (narrow: P^T) rows of 64 tokens (kT used)
-  static constexpr int kRawRowBytes = kModel1RowBytes;            // 576
-  static constexpr int kRawScaleOff = kT * kRawRowBytes;          // then 8 scale bytes a token
-  static constexpr int kRawBytes = kRawScaleOff + kT * 8 + 16;    // + [8] uint8 valid bits
+  // A raw stage: the rows (MODEL1 576 bytes, V32 656 with their scales), MODEL1's 8 footer scale
+  // bytes a token, then [8] uint8 valid bits.
+  static constexpr int kRawRowBytes = F == Fmt::kModel1 ? kModel1RowBytes : Traits::kRowBytes;
+  static constexpr int kRawScaleOff = kT * kRawRowBytes;
+  static constexpr int kRawValidOff = kRawScaleOff + kT * Traits::kScaleBytes;
+  static constexpr int kRawBytes = kRawValidOff + 16;
 
   static constexpr int kQOff = 0;
   static constexpr int kTileOff = kQOff + kQBytes;
   static constexpr int kPOff = kTileOff + kStages * kTileBytes;
   static constexpr int kRawOff = kPOff + kPBytes;
-  // Per-row floats the consumers exchange: [4][kRows]; narrow CTAs [16][kRows] (Sm90Cta::exch).
-  static constexpr int kExchFloats = (kNarrow ? 16 : 4) * kRows;
+  // Per-row floats the consumers exchange: [2][kRows]; narrow CTAs [16][kRows] (Sm90Cta::exch).
+  static constexpr int kExchFloats = (kNarrow ? 16 : 2) * kRows;
   static constexpr int kExchOff = kRawOff + kRawStages * kRawBytes;
   static constexpr int kMaskOff = kExchOff + kExchFloats * 4;  // [kStages][8] uint8 valid bits
   static constexpr int kBarOff = kMaskOff + kStages * 8;      // mbarriers
-  // + one barrier a raw stage and producer warp (MODEL1 rows by bulk copy), + P free (single S)
+  // + one barrier a raw stage and producer warp (staged rows by bulk copy), + P free
   static constexpr int kNumBars = 2 * kStages + 2 + kRawStages * kProducerWarps + 1;
   static constexpr int kUsedBytes = kBarOff + kNumBars * 8;
   static constexpr int kSmemBytes = kUsedBytes + 1024;  // room to align the base to 1024
 
   static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0 && kPBytes % 1024 == 0 &&
-                    (kT / 2) % 8 == 0,
-                "swizzle atoms (8 rows, 1024 bytes) stay aligned, also at each consumer's half");
+                    kT % 8 == 0,
+                "swizzle atoms (8 rows, 1024 bytes) stay aligned");
   static_assert(kRawBytes % 16 == 0, "raw stages keep 16-byte alignment");
 };
 
@@ -224,13 +217,11 @@ struct Sm90Cta {
   static constexpr int kRopeDst = F == Fmt::kModel1 ? 56 : 64;  // ... and in the bf16 row
 
   // Named barriers between the consumers (0 is __syncthreads).
-  static constexpr int kPReadyBarrier = 1;    // P written (single S: and the rescale factors)
-  static constexpr int kRowMaxBarrier = 2;    // V32: both consumers' row maxima written
-  static constexpr int kEpilogueBarrier = 3;  // a pair's end: row sums (V32), output factors
-  static constexpr int kNarrowBarrier = 4;    // narrow: consumer 0's warps (column maxima, sums)
+  static constexpr int kPReadyBarrier = 1;    // P and the rescale factors written
+  static constexpr int kEpilogueBarrier = 2;  // a pair's end: the output factors written
+  static constexpr int kNarrowBarrier = 3;    // narrow: consumer 0's warps (column maxima, sums)
   static constexpr int kDV = smxx::decode::kDV;
   static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
-  static constexpr int kSN = Cfg::kSN;
 
   const DecodeParams& p;
   uint8_t* smem;
@@ -248,10 +239,9 @@ struct Sm90Cta {
   __device__ uint8_t* q_smem() const { return smem + Cfg::kQOff; }
   __device__ uint8_t* tile_smem(int st) const { return smem + Cfg::kTileOff + st * Cfg::kTileBytes; }
   __device__ uint8_t* p_smem() const { return smem + Cfg::kPOff; }
-  // Per-row values the consumers hand each other: kRowMax0/1 the row maxima of consumer 0/1 (each
-  // tile, V32 pages) or kAlpha the rows' O rescale factors (each tile, single S); kFactor
-  // the output factors and kRowSum1 consumer 1's row sums (a pair's end).
-  static constexpr int kRowMax0 = 0, kRowMax1 = 1, kAlpha = 0, kFactor = 2, kRowSum1 = 3;
+  // Per-row values the consumers hand each other: kAlpha the rows' O rescale factors (each
+  // tile), kFactor the output factors (a pair's end).
+  static constexpr int kAlpha = 0, kFactor = 1;
   __device__ float* exch(int k) const {
     return reinterpret_cast<float*>(smem + Cfg::kExchOff) + k * kRows;
   }
@@ -261,12 +251,12 @@ struct Sm90Cta {
   __device__ uint64_t* empty_bar(int st) const { return bar(Cfg::kStages + st); }
   __device__ uint64_t* q_full_bar() const { return bar(2 * Cfg::kStages); }
   __device__ uint64_t* q_empty_bar() const { return bar(2 * Cfg::kStages + 1); }
-  // MODEL1: warp pw's rows of raw stage rs landed (bulk copies).
+  // FP8 staged rows: warp pw's rows of raw stage rs landed (bulk copies).
   __device__ uint64_t* raw_bar(int rs, int pw) const {
     return bar(2 * Cfg::kStages + 2 + rs * Cfg::kProducerWarps + pw);
   }
-  // Single S: consumer 1 has read P, the rescale factors and the output factors, so
-  // consumer 0 may write the next ones. An mbarrier rather than a named barrier: its arrive
+  // Consumer 1 has read P, the rescale factors and the output factors, so consumer 0 may
+  // write the next ones. An mbarrier rather than a named barrier: its arrive
   // orders consumer 1's earlier reads, which compute-sanitizer's racecheck can follow.
   __device__ uint64_t* p_free_bar() const {
     return bar(2 * Cfg::kStages + 2 + Cfg::kRawStages * Cfg::kProducerWarps);
@@ -354,8 +344,9 @@ struct Sm90Cta {
     if constexpr (F != Fmt::kV32) {
       // A warp a row (rows w, w + kProducerWarps, ...): the row's source is worked out once and
       // lane l copies chunks l, l + 32 and l + 64, 4 column blocks apart in the swizzled layout.
-      // Its copies go out ~1 us sooner than with a chunk a thread (variants 134, 135); V32's
-      // 80-register producers spill with it.
+      // Its copies go out ~1 us sooner than with a chunk a thread (variants 134, 135). V32
+      // keeps a chunk a thread: on its register-path producers (80 registers, now the narrow
+      // CTAs' 96) the per-row form spilled or was 1-1.5% slower (variant 136).
       const int lane = tid & 31;
 #pragma unroll 1
       for (int r = tid >> 5; r < kRows; r += Cfg::kProducerWarps) {
@@ -546,8 +537,8 @@ struct Sm90Cta {
     ptx::cp_async_wait<0>();
   }
 
-  // MODEL1 producers: the raw rows and scales of the it-th tile land in raw stage it % kRawStages
-  // (rows: on the warp's raw_bar; scales: one cp.async group per tile); each warp copies, and
+  // Staged producers: the raw rows of the it-th tile land in raw stage it % kRawStages on the
+  // warp's raw_bar (MODEL1's footer scales: one cp.async group per tile); each warp copies, and
   // later converts, its own kW tokens.
   __device__ uint8_t* raw_smem(int rs) const { return smem + Cfg::kRawOff + rs * Cfg::kRawBytes; }
 
@@ -562,7 +553,7 @@ struct Sm90Cta {
     const bool mine = static_cast<unsigned>(j) < static_cast<unsigned>(kW);
     const uint32_t valid =
         (__ballot_sync(0xffffffffu, ref.row != nullptr) >> (u * kW)) & ((1u << kW) - 1);
-    if (lane == 0) raw[Cfg::kRawScaleOff + kT * 8 + pw] = static_cast<uint8_t>(valid);
+    if (lane == 0) raw[Cfg::kRawValidOff + pw] = static_cast<uint8_t>(valid);
     // The warp's kW rows are contiguous in the stage. Missing rows are zero-filled (finite V).
     uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
     // Lane u kW + j copies token j's row in one bulk copy onto the warp's barrier of this stage
@@ -581,7 +572,7 @@ struct Sm90Cta {
         }
       }
     }
-    if (mine) {
+    if (F == Fmt::kModel1 && mine) {
       const bool ok = ref.row != nullptr;
       ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + j) * 8,
                             ok ? ref.scale : never_read(), ok);
@@ -589,10 +580,51 @@ struct Sm90Cta {
   }
 
   __device__ void convert_raw(int rs, int st, int lane, int pw) {
-    constexpr int kW = Cfg::kTokensPerWarp;
     const uint8_t* raw = raw_smem(rs);
     uint8_t* tile = tile_smem(st);
-    if (lane == 0) mask_smem(st)[pw] = raw[Cfg::kRawScaleOff + kT * 8 + pw];
+    if (lane == 0) mask_smem(st)[pw] = raw[Cfg::kRawValidOff + pw];
+    if constexpr (F == Fmt::kV32) {
+      convert_raw_v32(raw, tile, lane, pw);
+    } else {
+      convert_raw_model1(raw, tile, lane, pw);
+    }
+    copy_raw_rope(raw, tile, lane, pw);
+  }
+
+  // V32: lane l converts chunk l (16 values) of each of the warp's tokens under the fp32 scale of
+  // its 128-dim block, as the register path does (the same store order), reading the raw rows
+  // 16 contiguous bytes a lane.
+  __device__ void convert_raw_v32(const uint8_t* raw, uint8_t* tile, int lane, int pw) {
+    constexpr int kW = Cfg::kTokensPerWarp;
+    static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
+    constexpr int kBatch = 2;
+    static_assert(kW % kBatch == 0, "whole batches");
+    const int swap = (lane >> 2) & 1;
+#pragma unroll
+    for (int j0 = 0; j0 < kW; j0 += kBatch) {
+      uint4 in[kBatch];
+      float scale[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const uint8_t* row = raw + (pw * kW + j0 + j) * Cfg::kRawRowBytes;
+        in[j] = *reinterpret_cast<const uint4*>(row + lane * 16);
+        scale[j] = reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset)[lane >> 3];
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const uint4 d = in[j];
+        uint4 first_half, second_half;
+        e4m3x16_to_bf16(swap ? make_uint4(d.z, d.w, d.x, d.y) : d, scale[j], first_half,
+                        second_half);
+        const uint32_t first = sw_off(pw * kW + j0 + j, 2 * lane + swap, kT);
+        *reinterpret_cast<uint4*>(tile + first) = first_half;
+        *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = second_half;
+      }
+    }
+  }
+
+  __device__ void convert_raw_model1(const uint8_t* raw, uint8_t* tile, int lane, int pw) {
+    constexpr int kW = Cfg::kTokensPerWarp;
     // One branch around all kW tokens, not one per token, and the loads of a batch of tokens
     // before their stores (the compiler cannot move a load of the raw stage above a store to the
     // tile: both are shared memory), so that the tokens' shared-memory round trips overlap.
@@ -634,9 +666,13 @@ struct Sm90Cta {
         }
       }
     }
-    // The rope (stored chunks 28-35 -> bf16 chunks 56-63), the warp's kW x 8 chunks spread over
-    // all lanes after the conversion: copied by lanes 28-31 beside it, it was a divergent path of
-    // 4 x kW loads and stores that the whole warp waited through.
+  }
+
+  // The rope (MODEL1 stored chunks 28-35 -> bf16 chunks 56-63, V32 33-40 -> 64-71), the warp's
+  // kW x 8 chunks spread over all lanes after the conversion: copied by lanes 28-31 beside it, it
+  // was a divergent path of 4 x kW loads and stores that the whole warp waited through.
+  __device__ void copy_raw_rope(const uint8_t* raw, uint8_t* tile, int lane, int pw) {
+    constexpr int kW = Cfg::kTokensPerWarp;
     constexpr int kRopeChunks = kW * 8;
     constexpr int kRounds = (kRopeChunks + 31) / 32;
     uint4 rope[kRounds];
@@ -779,37 +815,37 @@ struct Sm90Cta {
     wgmma_wait<0>();
   }
 
-  // S = Q K^T for tokens [c kSN, (c + 1) kSN) of stage st's tile, once that tile has landed.
-  __device__ void compute_s(float (&s)[kSN / 2], int it, int c, uint32_t q_addr) const {
+  // S = Q K^T for stage st's tile, once that tile has landed.
+  __device__ void compute_s(float (&s)[kT / 2], int it, uint32_t q_addr) const {
     const int st = it % Cfg::kStages;
     mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
     fence_proxy_async();
     const uint64_t q_desc = sw128_desc(q_addr, 0, 1024);
-    const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)) + c * kSN * 128, 0, 1024);
-    dqk_product<kHalf, kSN, Cfg::kQBlockBytes, Cfg::kBlockBytes>(s, q_desc, t_desc);
+    const uint64_t t_desc = sw128_desc(ptx::smem_addr(tile_smem(st)), 0, 1024);
+    dqk_product<kHalf, kT, Cfg::kQBlockBytes, Cfg::kBlockBytes>(s, q_desc, t_desc);
   }
 
   // Masks S (invalid tokens, causal limit) and returns the thread's rows' maxima over the quad (a
   // row's values of one S sit in one quad) in base 2: the scale is positive, so the maximum is
   // scaled once instead of every value (exp_rows scales them inside its FMA).
-  __device__ void mask_and_max(float (&s)[kSN / 2], const TileCursor<kT>& cur, int st, int c,
-                               int lane, const int (&lim)[2], float (&mx)[2]) const {
-    using Bits = std::conditional_t<(kSN > 32), uint64_t, uint32_t>;
-    constexpr int kWarps = kSN / Cfg::kTokensPerWarp;  // producer warps of these tokens
+  __device__ void mask_and_max(float (&s)[kT / 2], const TileCursor<kT>& cur, int st, int lane,
+                               const int (&lim)[2], float (&mx)[2]) const {
+    using Bits = std::conditional_t<(kT > 32), uint64_t, uint32_t>;
+    constexpr int kWarps = Cfg::kProducerWarps;
     const uint8_t* mk = mask_smem(st);
     Bits vmask = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      vmask |= static_cast<Bits>(mk[c * kWarps + w]) << (w * Cfg::kTokensPerWarp);
+      vmask |= static_cast<Bits>(mk[w]) << (w * Cfg::kTokensPerWarp);
     }
-    const int pos0 = cur.k * kT + c * kSN;
+    const int pos0 = cur.k * kT;
     mx[0] = mx[1] = -INFINITY;
-    if (all_tokens_visible<kSN>(vmask, pos0, lim)) {
+    if (all_tokens_visible<kT>(vmask, pos0, lim)) {
 #pragma unroll
-      for (int e = 0; e < kSN / 2; ++e) mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
+      for (int e = 0; e < kT / 2; ++e) mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
     } else {
 #pragma unroll
-      for (int j = 0; j < kSN / 8; ++j) {
+      for (int j = 0; j < kT / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = j * 8 + 2 * (lane & 3) + (e & 1);
@@ -827,11 +863,11 @@ struct Sm90Cta {
   }
 
   // S -> 2^(scale_log2 S - m_use); each row's sum is added to l after rescaling it by alpha.
-  __device__ void exp_rows(float (&s)[kSN / 2], const float (&m_use)[2], const float (&alpha)[2],
+  __device__ void exp_rows(float (&s)[kT / 2], const float (&m_use)[2], const float (&alpha)[2],
                            float (&l)[2]) const {
     float sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int e = 0; e < kSN / 2; ++e) {
+    for (int e = 0; e < kT / 2; ++e) {
       s[e] = ptx::exp2_approx(fmaf(s[e], p.scale_log2, -m_use[(e >> 1) & 1]));
       sum[(e >> 1) & 1] += s[e];
     }
@@ -839,25 +875,10 @@ struct Sm90Cta {
     for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
   }
 
-  // P (16-bit) into shared memory: row r, tokens [c kSN, (c + 1) kSN).
-  __device__ void store_p(const float (&s)[kSN / 2], int c, int r_lo, int lane) const {
-    uint8_t* ps = p_smem();
-#pragma unroll
-    for (int j = 0; j < kSN / 8; ++j) {
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = r_lo + 8 * rr;
-        const int chunk = c * (kSN / 8) + j;
-        *reinterpret_cast<uint32_t*>(ps + r * 128 + ((chunk ^ (r & 7)) << 4) + (lane & 3) * 4) =
-            ptx::pack2<kHalf>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-      }
-    }
-  }
-
   // Single S: P as the A operand of the P V wgmma, one k-step of 16 tokens a row of pf, in
   // the S accumulators' layout.
   using PFrag = uint32_t[kT / 16][4];
-  __device__ static void p_fragments(const float (&s)[kSN / 2], PFrag& pf) {
+  __device__ static void p_fragments(const float (&s)[kT / 2], PFrag& pf) {
 #pragma unroll
     for (int kk = 0; kk < kT / 16; ++kk) {
 #pragma unroll
@@ -870,108 +891,6 @@ struct Sm90Cta {
   // 16 bytes a thread and k-step: conflict-free.
   __device__ uint4* p_exchange(int kk, int wt) const {
     return reinterpret_cast<uint4*>(p_smem()) + kk * 128 + wt;
-  }
-
-  // V32 pages: consumer c computes S for tokens [c kSN, (c + 1) kSN) of the tile, the two
-  // exchange their row maxima, each writes P for its tokens, and consumer c accumulates
-  // O[:, 256c, 256c + 256).
-  __device__ void consumer_half(int c) {
-    const int wt = threadIdx.x & 127;  // thread within the consumer warpgroup
-    const int lane = wt & 31;
-    const int r_lo = (wt >> 5) * 16 + (lane >> 2);  // this thread's rows: r_lo, r_lo + 8
-    const uint32_t q_addr = ptx::smem_addr(q_smem());
-    const uint32_t p_addr = ptx::smem_addr(p_smem());
-
-    const PartStart end = p.parts[part + 1];
-    TileCursor<kT> cur;
-    cur.init(p, part, end);
-    float o[128];
-    float m[2], l[2];
-    int lim[2];
-    PairSplit ps{};
-    for (int it = 0; cur.valid(p); ++it) {
-      const int st = it % Cfg::kStages;
-      if (cur.last()) prefetch_next_pair(cur);
-      if (cur.first()) {
-#pragma unroll
-        for (int e = 0; e < 128; ++e) o[e] = 0.f;
-        ps = load_split(cur);
-        start_pair(cur, r_lo, m, l, lim);
-      }
-      float s[kSN / 2];
-      compute_s(s, it, c, q_addr);
-      if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
-
-      // The row maxima of both consumers.
-      float mx[2];
-      mask_and_max(s, cur, st, c, lane, lim, mx);
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if ((lane & 3) == 0) exch(kRowMax0 + c)[r_lo + 8 * rr] = mx[rr];
-      }
-      ptx::named_barrier(kRowMaxBarrier, 256);
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const float other = exch(kRowMax1 - c)[r_lo + 8 * rr];
-        const float m_new = next_max(m[rr], fmaxf(mx[rr], other));
-        // A row that has seen no valid token keeps m = -inf and uses 0 as its reference.
-        m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[rr] = ptx::exp2_approx(m[rr] - m_use[rr]);
-        m[rr] = m_new;
-      }
-      exp_rows(s, m_use, alpha, l);
-      rescale_o(cur, o, alpha);
-      store_p(s, c, r_lo, lane);
-      fence_proxy_async();
-      ptx::named_barrier(kPReadyBarrier, 256);
-
-      // O[:, 256c, 256c + 256) += P V.
-      const uint64_t p_desc = sw128_desc(p_addr, 0, 1024);
-      const uint64_t v_desc = sw128_desc(
-          ptx::smem_addr(tile_smem(st)) + c * 4 * Cfg::kBlockBytes, Cfg::kBlockBytes, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kT / 16; ++kk) {
-        const uint64_t pa = desc_add(p_desc, kk * 32);
-        const uint64_t v = desc_add(v_desc, kk * 16 * 128);
-        wgmma_m64n128_kmn<kHalf, 0>(o, pa, v, 1);
-        wgmma_m64n128_kmn<kHalf, 64>(o, pa, desc_add(v, 2 * Cfg::kBlockBytes), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      if (wt == 0) mbar_arrive(empty_bar(st));
-      if (cur.last()) epilogue_half(cur, ps, c, wt, r_lo, o, m, l);
-      cur.advance(p, end);
-    }
-  }
-
-  // V32 pages: the pair's output from consumer c's dims, after the two add their row sums.
-  __device__ void epilogue_half(const TileCursor<kT>& cur, const PairSplit& ps, int c, int wt,
-                                int r_lo, float (&o)[128], const float (&m)[2], float (&l)[2]) {
-    const int lane = wt & 31;
-    float* row_sum = exch(kFactor);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
-      l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
-      if ((lane & 3) == 0) row_sum[c * kRows + r_lo + 8 * rr] = l[rr];
-    }
-    ptx::named_barrier(kEpilogueBarrier, 256);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int r = r_lo + 8 * rr;
-      l[rr] = row_sum[r] + row_sum[kRows + r];  // same order in both consumers
-    }
-    const PairOut po = pair_out(cur, ps);
-    float row_factor[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int r = r_lo + 8 * rr;
-      row_factor[rr] = finish_row(m[rr], l[rr], r, po, c == 0 && (lane & 3) == 0,
-                                  po.split ? 0.f : row_sink(r));
-    }
-    store_rows(po, c * 256, r_lo, lane, o, row_factor);
   }
 
   // Sum over the 4 lanes of a quad (the threads that hold one accumulator row).
@@ -1007,12 +926,12 @@ struct Sm90Cta {
         start_pair(cur, r_lo, m, l, lim);
       }
       if (cur.last()) prefetch_next_pair(cur);
-      float s[kSN / 2];
-      compute_s(s, it, 0, q_addr);
+      float s[kT / 2];
+      compute_s(s, it, q_addr);
       if (cur.last() && wt == 0) mbar_arrive(q_empty_bar());
 
       float mx[2];
-      mask_and_max(s, cur, st, 0, lane, lim, mx);
+      mask_and_max(s, cur, st, lane, lim, mx);
       float row_alpha[2], m_use[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -1572,7 +1491,7 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
       mbar_init(cta.empty_bar(st), 2);
     }
     mbar_init(cta.q_full_bar(), Cfg::kProducerThreads);
-    mbar_init(cta.q_empty_bar(), Cfg::kSingleS ? 1 : 2);  // the consumers that read Q
+    mbar_init(cta.q_empty_bar(), 1);  // consumer 0 reads Q
     mbar_init(cta.p_free_bar(), 128);                       // consumer 1's threads
     for (int b = 0; b < Cfg::kRawStages * Cfg::kProducerWarps; ++b) {
       mbar_init(cta.raw_bar(b / Cfg::kProducerWarps, b % Cfg::kProducerWarps), 1);
@@ -1588,26 +1507,21 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
       cta.producer();
     }
   } else {
-    const int c = (threadIdx.x - Cfg::kProducerThreads) >> 7;
-    if constexpr (Cfg::kSingleS) {  // narrow CTAs too: consumer 0 S (S^T), consumer 1 P V
-      if (c == 0) {
-        regs_inc<Cfg::kSRegs>();
-        if constexpr (Cfg::kNarrow) {
-          cta.consumer_narrow_s();
-        } else {
-          cta.consumer_s();
-        }
+    // Consumer 0 computes S (narrow: S^T), consumer 1 accumulates its share of P V.
+    if (threadIdx.x < Cfg::kProducerThreads + 128) {
+      regs_inc<Cfg::kSRegs>();
+      if constexpr (Cfg::kNarrow) {
+        cta.consumer_narrow_s();
       } else {
-        regs_inc<Cfg::kPVRegs>();
-        if constexpr (Cfg::kNarrow) {
-          cta.consumer_narrow_pv();
-        } else {
-          cta.consumer_pv();
-        }
+        cta.consumer_s();
       }
     } else {
-      regs_inc<Cfg::kSRegs>();
-      cta.consumer_half(c);
+      regs_inc<Cfg::kPVRegs>();
+      if constexpr (Cfg::kNarrow) {
+        cta.consumer_narrow_pv();
+      } else {
+        cta.consumer_pv();
+      }
     }
   }
 #endif

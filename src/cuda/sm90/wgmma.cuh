@@ -150,22 +150,16 @@ __device__ __forceinline__ void wgmma_m64n16(float (&d)[8], uint64_t a, uint64_t
       : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
 }
 
-// D[64 x N] (fp32) += A[64 x 16] * B[16 x N], the S tiles of the decode kernel: N = 32 (V32) and
-// 48 (MODEL1) in bf16, 64 (16-bit pages) in bf16 or fp16, and a narrow CTA's S^T (N = 16 query
-// rows, bf16); A and B from shared memory, both K-major. accumulate == 0 overwrites D.
+// D[64 x N] (fp32) += A[64 x 16] * B[16 x N], the S tiles of the decode kernel: N = 48 (FP8
+// pages) in bf16, 64 (16-bit pages) in bf16 or fp16, and a narrow CTA's S^T (N = 16 query rows,
+// bf16); A and B from shared memory, both K-major. accumulate == 0 overwrites D.
 template <bool kHalf, int N>
 __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, uint64_t b,
                                               int accumulate) {
-  static_assert(((N == 16 || N == 32 || N == 48) && !kHalf) || N == 64,
+  static_assert(((N == 16 || N == 48) && !kHalf) || N == 64,
                 "the S tile widths of the decode kernel");
   if constexpr (N == 16) {
     wgmma_m64n16<0>(d, a, b, accumulate);
-  } else if constexpr (N == 32) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(accumulate));
   } else if constexpr (N == 48) {
     asm volatile(
         "{\n.reg .pred acc;\nsetp.ne.b32 acc, %26, 0;\n"
@@ -187,31 +181,12 @@ __device__ __forceinline__ void wgmma_m64nk_kk(float (&d)[N / 2], uint64_t a, ui
   }
 }
 
-// D[64 x 128] (fp32) += A[64 x 16] * B[16 x 128], A and B from shared memory, B MN-major; D is
-// d[kOff, kOff + 64). (m64n128 rather than n256: an instruction's 128 accumulators would not fit
-// the 128-register cap of a 512-thread kernel.) accumulate == 0 overwrites D.
-template <bool kHalf, int kOff, int kN>
-__device__ __forceinline__ void wgmma_m64n128_kmn(float (&d)[kN], uint64_t a, uint64_t b,
-                                                  int accumulate) {
-  static_assert(kOff + 64 <= kN, "the accumulators lie within d");
-  if constexpr (kHalf) {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, acc, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[kOff+0]), "+f"(d[kOff+1]), "+f"(d[kOff+2]), "+f"(d[kOff+3]), "+f"(d[kOff+4]), "+f"(d[kOff+5]), "+f"(d[kOff+6]), "+f"(d[kOff+7]), "+f"(d[kOff+8]), "+f"(d[kOff+9]), "+f"(d[kOff+10]), "+f"(d[kOff+11]), "+f"(d[kOff+12]), "+f"(d[kOff+13]), "+f"(d[kOff+14]), "+f"(d[kOff+15]), "+f"(d[kOff+16]), "+f"(d[kOff+17]), "+f"(d[kOff+18]), "+f"(d[kOff+19]), "+f"(d[kOff+20]), "+f"(d[kOff+21]), "+f"(d[kOff+22]), "+f"(d[kOff+23]), "+f"(d[kOff+24]), "+f"(d[kOff+25]), "+f"(d[kOff+26]), "+f"(d[kOff+27]), "+f"(d[kOff+28]), "+f"(d[kOff+29]), "+f"(d[kOff+30]), "+f"(d[kOff+31]), "+f"(d[kOff+32]), "+f"(d[kOff+33]), "+f"(d[kOff+34]), "+f"(d[kOff+35]), "+f"(d[kOff+36]), "+f"(d[kOff+37]), "+f"(d[kOff+38]), "+f"(d[kOff+39]), "+f"(d[kOff+40]), "+f"(d[kOff+41]), "+f"(d[kOff+42]), "+f"(d[kOff+43]), "+f"(d[kOff+44]), "+f"(d[kOff+45]), "+f"(d[kOff+46]), "+f"(d[kOff+47]), "+f"(d[kOff+48]), "+f"(d[kOff+49]), "+f"(d[kOff+50]), "+f"(d[kOff+51]), "+f"(d[kOff+52]), "+f"(d[kOff+53]), "+f"(d[kOff+54]), "+f"(d[kOff+55]), "+f"(d[kOff+56]), "+f"(d[kOff+57]), "+f"(d[kOff+58]), "+f"(d[kOff+59]), "+f"(d[kOff+60]), "+f"(d[kOff+61]), "+f"(d[kOff+62]), "+f"(d[kOff+63])
-        : "l"(a), "l"(b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, acc, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[kOff+0]), "+f"(d[kOff+1]), "+f"(d[kOff+2]), "+f"(d[kOff+3]), "+f"(d[kOff+4]), "+f"(d[kOff+5]), "+f"(d[kOff+6]), "+f"(d[kOff+7]), "+f"(d[kOff+8]), "+f"(d[kOff+9]), "+f"(d[kOff+10]), "+f"(d[kOff+11]), "+f"(d[kOff+12]), "+f"(d[kOff+13]), "+f"(d[kOff+14]), "+f"(d[kOff+15]), "+f"(d[kOff+16]), "+f"(d[kOff+17]), "+f"(d[kOff+18]), "+f"(d[kOff+19]), "+f"(d[kOff+20]), "+f"(d[kOff+21]), "+f"(d[kOff+22]), "+f"(d[kOff+23]), "+f"(d[kOff+24]), "+f"(d[kOff+25]), "+f"(d[kOff+26]), "+f"(d[kOff+27]), "+f"(d[kOff+28]), "+f"(d[kOff+29]), "+f"(d[kOff+30]), "+f"(d[kOff+31]), "+f"(d[kOff+32]), "+f"(d[kOff+33]), "+f"(d[kOff+34]), "+f"(d[kOff+35]), "+f"(d[kOff+36]), "+f"(d[kOff+37]), "+f"(d[kOff+38]), "+f"(d[kOff+39]), "+f"(d[kOff+40]), "+f"(d[kOff+41]), "+f"(d[kOff+42]), "+f"(d[kOff+43]), "+f"(d[kOff+44]), "+f"(d[kOff+45]), "+f"(d[kOff+46]), "+f"(d[kOff+47]), "+f"(d[kOff+48]), "+f"(d[kOff+49]), "+f"(d[kOff+50]), "+f"(d[kOff+51]), "+f"(d[kOff+52]), "+f"(d[kOff+53]), "+f"(d[kOff+54]), "+f"(d[kOff+55]), "+f"(d[kOff+56]), "+f"(d[kOff+57]), "+f"(d[kOff+58]), "+f"(d[kOff+59]), "+f"(d[kOff+60]), "+f"(d[kOff+61]), "+f"(d[kOff+62]), "+f"(d[kOff+63])
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-}
-
-// As wgmma_m64n128_kmn, with A from registers: a[] holds the thread's four 16-bit pairs of the
-// 64 x 16 A tile in the accumulator layout of an m64n16 wgmma (rows lane / 4 and lane / 4 + 8 of
-// the warp's 16, columns 2 (lane % 4) and 8 + 2 (lane % 4)).
+// D[64 x 128] (fp32) += A[64 x 16] * B[16 x 128], A from registers, B from shared memory
+// MN-major; D is d[kOff, kOff + 64). (m64n128 rather than n256: an instruction's 128 accumulators
+// would not fit the 128-register cap of a 512-thread kernel.) a[] holds the thread's four 16-bit
+// pairs of the 64 x 16 A tile in the accumulator layout of an m64n16 wgmma (rows lane / 4 and
+// lane / 4 + 8 of the warp's 16, columns 2 (lane % 4) and 8 + 2 (lane % 4)). accumulate == 0
+// overwrites D.
 template <bool kHalf, int kOff, int kN>
 __device__ __forceinline__ void wgmma_m64n128_rs(float (&d)[kN], const uint32_t (&a)[4], uint64_t b,
                                                  int accumulate) {
