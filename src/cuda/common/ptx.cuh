@@ -53,15 +53,6 @@ __device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
   return policy;
 }
 
-// A 16-byte read-only global load (as __ldg) under an L2 policy (l2_policy).
-__device__ __forceinline__ uint4 ldg_16_hint(const void* src, uint64_t policy) {
-  uint4 v;
-  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(src), "l"(policy));
-  return v;
-}
-
 // Programmatic dependent launch (sm_90+; no-ops on older GPUs, where the dependent grid is
 // launched the usual way). A primary grid lets its dependent grid start launching early; the
 // dependent waits for the primary grid's completion (and memory) before it reads its results.

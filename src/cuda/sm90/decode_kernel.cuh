@@ -69,9 +69,11 @@ struct Sm90Config {
   // producers convert from there. 48-token tiles make room for the raw stages next to two bf16
   // stages and Q in the 227 KB of shared memory: two for MODEL1, one for V32's larger rows and
   // d_qk (a V32 warp copies its next tile's rows as soon as it has converted this one's; 32-token
-  // tiles with three raw stages were 6% slower, variant 141). Narrow CTAs keep 64-token tiles:
-  // MODEL1's small Q leaves room for two raw stages, V32's rows go through registers.
-  static constexpr bool kStaged = F == Fmt::kModel1 || (F == Fmt::kV32 && !kNarrow);
+  // tiles with three raw stages were 6% slower, variant 141). Narrow CTAs, whose Q is small,
+  // take 64-token tiles (the M of S^T) with as many raw stages. V32 rows went through the
+  // producers' registers until variants 141b and 142; staged they are 6-12% faster in the 64-row
+  // CTAs and as fast in the narrow ones.
+  static constexpr bool kStaged = Traits::kFP8;
   static constexpr int kT = kStaged && !kNarrow ? 48 : 64;  // tokens per tile
   static constexpr int kDqk = Traits::kDqk;
   static constexpr int kStages = 2;
@@ -86,10 +88,9 @@ struct Sm90Config {
   // Producers that copy (56 registers) or convert from the raw stages (72: at 64 they wait
   // longer on their loads) leave room for consumer 1's 192 accumulators and the P fragments of
   // its wgmma in flight (232; at 224 ptxas serializes its wgmma). Narrow consumers' accumulators
-  // are small, so narrow producers get more: 128 on MODEL1 pages, 96 on V32 pages (variants 110,
-  // 111: MODEL1 at 72 / 96 was 2-5% slower, V32 at 80 4% and at 112 / 128 4-5% slower).
+  // are small, so narrow producers get 128 (variant 111: at 72 / 96 MODEL1 was 2-5% slower).
   static constexpr int kDimsS = 128;
-  static constexpr int kProducerRegs = kNarrow ? (kStaged ? 128 : 96) : (kStaged ? 72 : 56);
+  static constexpr int kProducerRegs = kNarrow ? 128 : (kStaged ? 72 : 56);
   // 2 * 128 kProducerRegs + 128 (kSRegs + kPVRegs) = 128 * 512 (launch)
   static constexpr int kPVRegs = kNarrow ? 256 - kProducerRegs : 232;
   static constexpr int kSRegs = 512 - 2 * kProducerRegs - kPVRegs;
@@ -230,7 +231,7 @@ struct Sm90Cta {
   // 8 tokens; nullptr where the host could not describe the cache that way (or
   // SPARSE_MLA_SM90_TMA=0).
   const CUtensorMap* kv_map;
-  // L2 policy of the KV row loads (TMA boxes, bulk copies, V32 row loads): evict first where
+  // L2 policy of the KV row loads (TMA boxes, bulk copies): evict first where
   // this CTA is their only reader. The cp.async paths keep the default: cp.async under this
   // policy, built by ptxas 13.0, stopped the portable kernel with an illegal instruction on the
   // H200 (sm90_notes.md, variant 84).
@@ -323,16 +324,6 @@ struct Sm90Cta {
   // Source address of zero-filling copies (0 bytes are read from it).
   __device__ const uint8_t* never_read() const { return reinterpret_cast<const uint8_t*>(p.q); }
 
-  // V32: lane l loads the fp32 scale of 128-dim block l % 4 of the warp's token l / 4 (whose row
-  // lane base + l / 4 holds), so that a lane then fetches the scale of its block of token j with
-  // one shuffle, from lane 4 j + block (the MODEL1 producers stage theirs).
-  __device__ float load_block_scale(const RowRef& ref, int base, int lane) const {
-    static_assert(Cfg::kTokensPerWarp * 4 == 32, "a block scale a lane");
-    const uint8_t* row = row_of_lane(ref, base + (lane >> 2));
-    if (row == nullptr) return 0.f;
-    return __ldg(reinterpret_cast<const float*>(row + fmt::kV32ScaleOffset) + (lane & 3));
-  }
-
   __device__ void load_q(const TileCursor<kT>& c, int tid) {
     static_assert(kChunks >= 64 && kChunks <= 96, "a lane copies two or three chunks of a row");
     int i, sq;
@@ -345,8 +336,8 @@ struct Sm90Cta {
       // A warp a row (rows w, w + kProducerWarps, ...): the row's source is worked out once and
       // lane l copies chunks l, l + 32 and l + 64, 4 column blocks apart in the swizzled layout.
       // Its copies go out ~1 us sooner than with a chunk a thread (variants 134, 135). V32
-      // keeps a chunk a thread: on its register-path producers (80 registers, now the narrow
-      // CTAs' 96) the per-row form spilled or was 1-1.5% slower (variant 136).
+      // keeps a chunk a thread: the per-row form was 1-1.5% slower on V32 b=128 (variant 136,
+      // measured when its rows still went through the producers' registers).
       const int lane = tid & 31;
 #pragma unroll 1
       for (int r = tid >> 5; r < kRows; r += Cfg::kProducerWarps) {
@@ -381,7 +372,10 @@ struct Sm90Cta {
     mbar_arrive_on_cp_async(q_full_bar());
   }
 
+  // 16-bit pages: each warp copies its kW tokens' rows straight into the tile, dense pages as
+  // TMA boxes where a warp's tokens are all present, other rows by cp.async.
   __device__ void producer() {
+    static_assert(!Tr::kFP8, "FP8 pages are staged (producer_staged)");
     const int tid = threadIdx.x;
     const int lane = tid & 31, pw = tid >> 5;
     constexpr int kW = Cfg::kTokensPerWarp;
@@ -389,10 +383,8 @@ struct Sm90Cta {
     const PartStart end = p.parts[part + 1];
     TileCursor<kT> cur;
     cur.init(p, part, end);
-    // The rows of the current batch. The next batch's indices are loaded at the batch's first
-    // tile, once its rows' loads are out, and resolved at its last tile, whose V32 L2 prefetch
-    // takes the next batch's first rows. 16-bit dense pages also keep the pages (raw values) for
-    // their TMA boxes.
+    // The rows of the current batch, and their pages (raw values) for the TMA boxes. The next
+    // batch's indices are loaded behind the batch's first tile and resolved at its last.
     TileCursor<kT> ahead = cur;
     PendingToken pending = load_batch(ahead, end, lane, tok);
     // The first pair's Q goes out right after the first index loads and before they are
@@ -407,45 +399,10 @@ struct Sm90Cta {
       const int st = it % Cfg::kStages;
       const uint32_t phase = (it / Cfg::kStages) & 1;
       const int base = u * kW;
-
-      // FP8 rows: issue the loads of all tokens of this warp (and their scales, loaded here
-      // rather than a tile ahead: that register set spilled) before anything waits.
-      uint4 data[kW];
-      float block_scale = 0.f;
-      if constexpr (Tr::kFP8) {
-        block_scale = load_block_scale(batch, base, lane);
-#pragma unroll
-        for (int j = 0; j < kW; ++j) {
-          const auto row = row_of_lane(batch, base + j);
-          data[j] = make_uint4(0, 0, 0, 0);
-          if (row != nullptr) data[j] = ptx::ldg_16_hint(row + lane * 16, kv_policy);
-        }
-      }
-
-      // V32: the next batch's indices go out at the batch's first tile behind this tile's row
-      // loads; after the conversion, as 16-bit pages take them below, V32 was 2.5% slower.
-      if (Tr::kFP8 && u == 0) pending = load_batch(ahead, end, lane, tok);
       if (u + 1 == kBatchTiles) next = resolve_pending(pending);
-      // V32: the next tile's rows start moving into L2 now, so that their loads, one iteration
-      // from now, wait for L2 instead of DRAM. 16-bit rows are not prefetched: with L2 at 88%
-      // of its throughput on dense bf16 h_q 128, the extra requests cost 1-3% (variant 26), and
-      // 15% on the memory-bound rows whose CTA is their only reader (variant 137), also as one
-      // bulk prefetch a warp, 1 or 2 tiles ahead (variant 140).
-      // Each lane that holds a row of the next tile asks for its kLines 128-byte lines (a row at
-      // any 16-byte offset spans that many). One bulk prefetch a row instead takes a uniform
-      // address, which the compiler issues lane by lane in a loop.
-      if constexpr (Tr::kFP8) {
-        constexpr int kLines = (112 + Tr::kRowBytes - 1) / 128 + 1;
-        static_assert((kLines - 1) * 128 < Tr::kRowBytes, "every address inside the row");
-        const bool last = u + 1 == kBatchTiles;
-        const int next_base = last ? 0 : base + kW;
-        const uint8_t* next_row = last ? next.row : batch.row;
-        if (static_cast<unsigned>(lane - next_base) < static_cast<unsigned>(kW) &&
-            next_row != nullptr) {
-#pragma unroll
-          for (int k = 0; k < kLines; ++k) ptx::prefetch_l2(next_row + k * 128);
-        }
-      }
+      // Rows are not prefetched into L2: with L2 at 88% of its throughput on dense bf16 h_q 128,
+      // the extra requests cost 1-3% (variant 26), and 15% on the memory-bound rows whose CTA is
+      // their only reader (variant 137), also as one bulk prefetch a warp (variant 140).
 
       if (cur.first() && it > 0) {  // the first pair's Q went out before the loop
         mbar_wait(q_empty_bar(), (cur.seg & 1) ^ 1);
@@ -457,44 +414,25 @@ struct Sm90Cta {
       const uint32_t valid =
           (__ballot_sync(0xffffffffu, batch.row != nullptr) >> base) & ((1u << kW) - 1);
       if (lane == 0) mask_smem(st)[pw] = static_cast<uint8_t>(valid);
-      // 16-bit dense pages: a warp whose kW tokens are all present (so in one page, whose size
-      // the host checked to be a multiple of kW) takes them as one TMA box per 64-dim block.
-      bool by_tma = false;
-      if constexpr (!Tr::kFP8) {
-        by_tma = kv_map != nullptr && valid == (1u << kW) - 1;
-        const int page = __shfl_sync(0xffffffffu, batch_raw, base);
-        if (by_tma && lane == 0) {
-          const int pos = cur.k * kT + pw * kW;
-          const int off =
-              static_cast<int>(p.kv.page_div.remainder(pos, p.kv.page_div.quotient(pos)));
-          mbar_expect_tx(full_bar(st), kChunks / 8 * kW * 128);
+      // Dense pages: a warp whose kW tokens are all present (so in one page, whose size the host
+      // checked to be a multiple of kW) takes them as one TMA box per 64-dim block.
+      const bool by_tma = kv_map != nullptr && valid == (1u << kW) - 1;
+      const int page = __shfl_sync(0xffffffffu, batch_raw, base);
+      if (by_tma && lane == 0) {
+        const int pos = cur.k * kT + pw * kW;
+        const int off =
+            static_cast<int>(p.kv.page_div.remainder(pos, p.kv.page_div.quotient(pos)));
+        mbar_expect_tx(full_bar(st), kChunks / 8 * kW * 128);
 #pragma unroll
-          for (int b = 0; b < kChunks / 8; ++b) {
-            tma_load_4d(tile + b * Cfg::kBlockBytes + pw * kW * 128, kv_map, full_bar(st), b * 64,
-                        grp, off, page, kv_policy);
-          }
+        for (int b = 0; b < kChunks / 8; ++b) {
+          tma_load_4d(tile + b * Cfg::kBlockBytes + pw * kW * 128, kv_map, full_bar(st), b * 64,
+                      grp, off, page, kv_policy);
         }
       }
+      if (!by_tma) {
 #pragma unroll
-      for (int j = 0; j < kW; ++j) {
-        const int t = pw * kW + j;
-        if constexpr (Tr::kFP8) {
-          // Lane l converts chunk l (16 values) under the fp32 scale of its 128-dim block.
-          static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
-          const float scale = __shfl_sync(0xffffffffu, block_scale, 4 * j + (lane >> 3));
-          // Alternate the order between neighbouring 64-dim blocks so that the 8 lanes of a
-          // store phase hit 8 different bank groups; the two chunks differ in offset bit 4. The
-          // swapping lanes convert their chunk's halves in swapped order: 4 selects on the input
-          // instead of 8 on the output.
-          const int swap = (lane >> 2) & 1;
-          const uint4 d = data[j];
-          uint4 first_half, second_half;
-          e4m3x16_to_bf16(swap ? make_uint4(d.z, d.w, d.x, d.y) : d, scale, first_half,
-                          second_half);
-          const uint32_t first = sw_off(t, 2 * lane + swap, kT);
-          *reinterpret_cast<uint4*>(tile + first) = first_half;
-          *reinterpret_cast<uint4*>(tile + (first ^ 16u)) = second_half;
-        } else if (!by_tma) {
+        for (int j = 0; j < kW; ++j) {
+          const int t = pw * kW + j;
           const auto row = row_of_lane(batch, base + j);
 #pragma unroll
           for (int ch = lane; ch < kChunks; ch += 32) {
@@ -507,25 +445,13 @@ struct Sm90Cta {
           }
         }
       }
-      if constexpr (Tr::kFP8) {
-        // The rope, 8 bf16 chunks a token copied as stored: 4 tokens a round, a chunk a lane.
-        static_assert(kW % 4 == 0, "whole rounds");
-#pragma unroll
-        for (int h = 0; h < kW / 4; ++h) {
-          const int j = 4 * h + (lane >> 3), ch = lane & 7;
-          const auto row = row_of_lane(batch, base + j);
-          ptx::cp_async_16_zfill(tile + sw_off(pw * kW + j, kRopeDst + ch, kT),
-                                 row != nullptr ? row + (kRopeSrc + ch) * 16 : never_read(),
-                                 row != nullptr);
-        }
-      }
       fence_proxy_async();
       // Two arrivals a thread: its stores (release) and its copies' completion.
       mbar_arrive_on_cp_async(full_bar(st));
       mbar_arrive(full_bar(st));
-      // 16-bit pages: the next batch's indices go out behind this tile's TMA boxes, so that a
-      // part's first boxes are not held up by them (variant 131b).
-      if (!Tr::kFP8 && u == 0) pending = load_batch(ahead, end, lane, tok);
+      // The next batch's indices go out behind this tile's TMA boxes, so that a part's first
+      // boxes are not held up by them (variant 131b).
+      if (u == 0) pending = load_batch(ahead, end, lane, tok);
 
       cur.advance(p, end);
       if (++u == kBatchTiles) {
@@ -592,8 +518,11 @@ struct Sm90Cta {
   }
 
   // V32: lane l converts chunk l (16 values) of each of the warp's tokens under the fp32 scale of
-  // its 128-dim block, as the register path does (the same store order), reading the raw rows
-  // 16 contiguous bytes a lane.
+  // its 128-dim block, reading the raw row 16 contiguous bytes a lane. Its two bf16 chunks lie in
+  // one 64-dim block; neighbouring blocks store them in alternate order, so that the 8 lanes of a
+  // store phase hit 8 different bank groups (the two chunks differ in offset bit 4), and the
+  // swapping lanes convert their chunk's halves in swapped order (4 selects on the input instead
+  // of 8 on the output).
   __device__ void convert_raw_v32(const uint8_t* raw, uint8_t* tile, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
     static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
