@@ -483,7 +483,7 @@ struct Sm90Cta {
     // The warp's kW rows are contiguous in the stage. Missing rows are zero-filled (finite V).
     uint8_t* dst = raw + pw * kW * Cfg::kRawRowBytes;
     // Lane u kW + j copies token j's row in one bulk copy onto the warp's barrier of this stage
-    // (the API demands 16-byte aligned pages and strides, and rows are 576 bytes); lane 0's
+    // (the API demands 16-byte aligned pages and strides; rows are 576 or 656 bytes); lane 0's
     // arrival announces the bytes of all present rows. Absent rows are zeroed by the whole warp.
     if (lane == 0) mbar_arrive_expect_tx(raw_bar(rs, pw), __popc(valid) * Cfg::kRawRowBytes);
     if (mine && ref.row != nullptr) {
@@ -498,10 +498,12 @@ struct Sm90Cta {
         }
       }
     }
-    if (F == Fmt::kModel1 && mine) {
-      const bool ok = ref.row != nullptr;
-      ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + j) * 8,
-                            ok ? ref.scale : never_read(), ok);
+    if constexpr (F == Fmt::kModel1) {  // V32's scales come with its rows
+      if (mine) {
+        const bool ok = ref.row != nullptr;
+        ptx::cp_async_8_zfill(raw + Cfg::kRawScaleOff + (pw * kW + j) * 8,
+                              ok ? ref.scale : never_read(), ok);
+      }
     }
   }
 
