@@ -294,7 +294,8 @@ size_t span_bytes(const TensorView& t) {
   return static_cast<size_t>(last + 1) * dtype_size(t.dtype);
 }
 
-// Device copies of host buffers, freed with the placer.
+// Device copies of host buffers, freed with the placer. Each upload waits until it has landed: the
+// calls run on a non-blocking stream, which does not order after a pageable cudaMemcpy's DMA.
 class DevicePlacer final : public Placer {
  public:
   explicit DevicePlacer(int device) : device_(device) {}
@@ -315,6 +316,7 @@ class DevicePlacer final : public Placer {
     SPARSE_MLA_RETURN_IF_ERROR(alloc(bytes, &d));
     SPARSE_MLA_RETURN_IF_ERROR(
         cuda_check(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice), "upload"));
+    SPARSE_MLA_RETURN_IF_ERROR(cuda_check(cudaDeviceSynchronize(), "upload landed"));
     *placed = host;
     placed->data = d;
     placed->device = Device{DeviceType::kCUDA, device_};
@@ -326,6 +328,7 @@ class DevicePlacer final : public Placer {
     SPARSE_MLA_RETURN_IF_ERROR(alloc(bytes, &d));
     SPARSE_MLA_RETURN_IF_ERROR(
         cuda_check(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice), "upload cache"));
+    SPARSE_MLA_RETURN_IF_ERROR(cuda_check(cudaDeviceSynchronize(), "upload landed"));
     *placed = host;
     placed->data = d;
     placed->device = Device{DeviceType::kCUDA, device_};

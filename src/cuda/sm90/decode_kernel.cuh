@@ -528,7 +528,9 @@ struct Sm90Cta {
   __device__ void convert_raw_v32(const uint8_t* raw, uint8_t* tile, int lane, int pw) {
     constexpr int kW = Cfg::kTokensPerWarp;
     static_assert(Tr::kFP8Chunks == 32, "a chunk a lane");
-    constexpr int kBatch = 2;
+    // Tokens loaded a batch ahead of their stores: 3 of the 64-row CTAs' 6, 4 of the narrow ones'
+    // 8 (variant 145: batches of 2 were up to 3% slower; 6 and 8 spill).
+    constexpr int kBatch = kW % 3 == 0 ? 3 : 4;
     static_assert(kW % kBatch == 0, "whole batches");
     const int swap = (lane >> 2) & 1;
 #pragma unroll

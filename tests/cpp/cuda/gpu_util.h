@@ -88,10 +88,14 @@ class DeviceBuffer {
     expect_ok(cudaMemset(data_, byte, bytes_), "cudaMemset");
     expect_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemset");
   }
+  // Waits for the copy too: from pageable memory cudaMemcpy may return before its DMA lands, and
+  // a kernel on a non-blocking stream could then run first (a fuzz replay saw its output's
+  // 0xa5 fill land over a dequantized row).
   void upload(const void* host, size_t bytes) {
     EXPECT_LE(bytes, bytes_) << "upload larger than the buffer";
     if (data_ && bytes <= bytes_) {
       expect_ok(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+      expect_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemcpy H2D");
     }
   }
   void download(void* host, size_t bytes) const {
