@@ -311,8 +311,20 @@ class DevicePlacer final : public Placer {
     return Status::Ok();
   }
   Status place(const TensorView& host, TensorView* placed) override {
+    return upload(host, span_bytes(host), placed);
+  }
+  Status place(const KVCache& host, KVCache* placed) override {
+    return upload(host, static_cast<size_t>(host.num_pages * host.page_stride), placed);
+  }
+
+ private:
+  int device_;
+  std::vector<void*> allocs_;
+
+  // A tensor or cache (both name their bytes `data` and their place `device`) copied to the device.
+  template <typename Placed>
+  Status upload(const Placed& host, size_t bytes, Placed* placed) {
     void* d = nullptr;
-    const size_t bytes = span_bytes(host);
     SPARSE_MLA_RETURN_IF_ERROR(alloc(bytes, &d));
     SPARSE_MLA_RETURN_IF_ERROR(
         cuda_check(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice), "upload"));
@@ -322,22 +334,6 @@ class DevicePlacer final : public Placer {
     placed->device = Device{DeviceType::kCUDA, device_};
     return Status::Ok();
   }
-  Status place(const KVCache& host, KVCache* placed) override {
-    void* d = nullptr;
-    const size_t bytes = static_cast<size_t>(host.num_pages * host.page_stride);
-    SPARSE_MLA_RETURN_IF_ERROR(alloc(bytes, &d));
-    SPARSE_MLA_RETURN_IF_ERROR(
-        cuda_check(cudaMemcpy(d, host.data, bytes, cudaMemcpyHostToDevice), "upload cache"));
-    SPARSE_MLA_RETURN_IF_ERROR(cuda_check(cudaDeviceSynchronize(), "upload landed"));
-    *placed = host;
-    placed->data = d;
-    placed->device = Device{DeviceType::kCUDA, device_};
-    return Status::Ok();
-  }
-
- private:
-  int device_;
-  std::vector<void*> allocs_;
 };
 
 Status download(const TensorView& dev, void* host) {
