@@ -499,6 +499,21 @@ void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which, int
   }
 }
 
+void scale_v32_scales(HostCache& cache, Rng& rng, const std::vector<bool>& which) {
+  const KVCache c = cache.desc();
+  for (int64_t slot = 0; slot < cache.num_slots(); ++slot) {
+    if (!which.empty() && !which[slot]) continue;
+    uint8_t* scales = slot_base(c, slot) + (slot % c.page_size) * kV32BytesPerToken +
+                      fmt::kV32ScaleOffset;
+    for (int j = 0; j < kV32NopeDims / kV32ScaleTile; ++j) {
+      float s;
+      std::memcpy(&s, scales + 4 * j, 4);
+      s *= static_cast<float>(rng.uniform(0.5, 1.0));
+      std::memcpy(scales + 4 * j, &s, 4);
+    }
+  }
+}
+
 void poison_slot(HostCache& cache, int64_t slot) {
   const KVCache c = cache.desc();
   uint8_t* base = slot_base(c, slot);
@@ -761,14 +776,15 @@ void SparseCase::poison_outputs() {
 
 void SparseCase::refresh_cache(Rng& rng) {
   auto refresh = [&](HostCache& cache, const HostTensor& idx, const HostTensor& len) {
-    if (!config.poison_unreferenced) {
-      fill_random(cache, rng, {}, config.value_scale_log2);
-      return;
+    std::vector<bool> ref;  // empty: every slot
+    if (config.poison_unreferenced) {
+      ref = sparse_referenced_slots(idx.view(), len.opt_view(), cache.num_slots());
     }
-    const std::vector<bool> ref =
-        sparse_referenced_slots(idx.view(), len.opt_view(), cache.num_slots());
     fill_random(cache, rng, ref, config.value_scale_log2);
-    poison_unreferenced(cache, ref);
+    if (config.v32_scales_not_pow2 && config.format == KVFormat::kV32) {
+      scale_v32_scales(cache, rng, ref);
+    }
+    if (config.poison_unreferenced) poison_unreferenced(cache, ref);
   };
   refresh(kv, indices, topk_length);
   if (extra_kv.defined()) refresh(extra_kv, extra_indices, extra_topk_length);

@@ -206,6 +206,9 @@ struct SparseCaseConfig {
   // Cache values times 2^value_scale_log2 (outputs far from 1; with softmax_scale divided by the
   // same power the scores stay as they were).
   int value_scale_log2 = 0;
+  // V32 only: every referenced slot's four fp32 scales times a factor in [0.5, 1), so that they
+  // are not powers of two, as another quantizer than the spec's recipe may store them.
+  bool v32_scales_not_pow2 = false;
   Layout q_layout = Layout::kContiguous;
   Layout out_layout = Layout::kContiguous;
   bool flash_lse_layout = false;

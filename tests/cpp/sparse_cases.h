@@ -134,6 +134,18 @@ inline std::vector<NamedCase> corner_cases() {
     v.push_back({"b16_sq2_h64_v32_topk1000_sharp_scale", c});
   }
   {
+    // V32 scales that are not powers of two (any fp32 scale is valid in the format), in narrow
+    // (16 rows) and two-row-block (128 rows) lists, with the extra cache, lengths and sinks.
+    auto c = with_extra(base(V32, 3, 2, 16, 100, 53), 70, 2);
+    c.v32_scales_not_pow2 = true;
+    c.use_topk_length = c.use_extra_topk_length = true;
+    c.use_sink = true;
+    v.push_back({"b3_sq2_h16_v32_extra_page2_lengths_sink_scales_not_pow2", c});
+    c = base(V32, 2, 2, 128, 300, 64);
+    c.v32_scales_not_pow2 = true;
+    v.push_back({"b2_sq2_h128_v32_topk300_scales_not_pow2", c});
+  }
+  {
     // Cache values 2^40 times larger (the scores as usual): outputs, split pairs' partial rows
     // and their combine far outside fp16's range. Smaller values are not possible in FP8 pages:
     // the quantizer's smallest scale is 1e-4 / 448.
