@@ -21,6 +21,7 @@ them into captured buffers; calls given them plan inside every call, which is gr
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -28,6 +29,7 @@ import torch
 import sparse_mla as _sm
 
 from . import _ext
+from . import ops as _ops  # noqa: F401  registers torch.ops.sparse_mla, which torch.compile traces
 
 __all__ = ["FlashMLAConfigError", "FlashMLASchedMeta", "flash_mla_sparse_fwd",
            "flash_mla_with_kvcache", "get_mla_metadata"]
@@ -68,17 +70,34 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[Any, Any]:
 
     The older form ``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k,
     num_heads_q=None, is_fp8_kvcache=False, topk=None)`` with a tensor `cache_seqlens` returns
-    ``(tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [b + 1] int32)`` on its device;
-    pass them to flash_mla_with_kvcache as before (the plan is then rebuilt in each call).
+    ``(tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [b + 1] int32)`` on its device,
+    with FlashMLA's ``num_sm_parts = max(SMs // num_heads_k // ceil(num_q_tokens_per_head_k / 64),
+    1)`` (1 on the CPU); pass them to flash_mla_with_kvcache as before (the plan is then rebuilt
+    in each call).
     """
-    cache_seqlens = args[0] if args else kwargs.get("cache_seqlens")
+    names = ("cache_seqlens", "num_q_tokens_per_head_k", "num_heads_k")
+    given = dict(zip(names, args))
+    given.update({name: kwargs[name] for name in names if name in kwargs})
+    cache_seqlens = given.get("cache_seqlens")
     if cache_seqlens is None:
         return FlashMLASchedMeta(), None
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
         raise ValueError("cache_seqlens: expected a [b] int32 tensor")
+    counts = {}
+    for name in names[1:]:
+        try:
+            counts[name] = operator.index(given.get(name))
+        except TypeError:
+            counts[name] = 0
+        if counts[name] < 1:
+            raise ValueError(f"{name}: {given.get(name)!r}, expected a positive int with "
+                             "cache_seqlens")
     device = cache_seqlens.device
-    parts = (torch.cuda.get_device_properties(device).multi_processor_count
-             if device.type == "cuda" else 1)
+    parts = 1
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        q_blocks = -(-counts["num_q_tokens_per_head_k"] // 64)
+        parts = max(sms // counts["num_heads_k"] // q_blocks, 1)
     tile_scheduler_metadata = torch.zeros((parts, 8), dtype=torch.int32, device=device)
     num_splits = torch.zeros((cache_seqlens.shape[0] + 1,), dtype=torch.int32, device=device)
     return tile_scheduler_metadata, num_splits
@@ -181,21 +200,30 @@ def flash_mla_with_kvcache(
                         f"get_mla_metadata(), got {type(meta).__name__}")
     if uses_meta and num_splits is not None:
         raise ValueError("num_splits: must be None with a FlashMLASchedMeta")
+    first = uses_meta and not meta.have_initialized
     if uses_meta:
         config = _config_of(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache,
                             extra_indices_in_kvcache)
-        if meta.have_initialized:
+        if not first:
             _check_config(meta, config)
-    if not uses_meta or not meta.have_initialized:
+    if not uses_meta or first:
         _check_request(k_cache, head_dim_v, causal, is_fp8_kvcache, block_table, cache_seqlens,
                        indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
                        extra_topk_length)
-    if uses_meta and not meta.have_initialized:
+    result = _decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, indices,
+                     attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                     extra_topk_length, meta if uses_meta else None)
+    if first:  # only a call that ran binds the meta: a failed first call leaves it fresh
         meta.have_initialized = True
         meta.config = config
+    return result
 
+
+def _decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, indices, attn_sink,
+            extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
+            meta: Optional[FlashMLASchedMeta]) -> Tuple[torch.Tensor, torch.Tensor]:
     sparse = indices is not None
-    if _sm._is_compiling() or not uses_meta:
+    if _sm._is_compiling() or meta is None:
         # Plans inside the call (graph-safe); under torch.compile this is the traced op.
         if sparse:
             return _sm.sparse_decode(q, k_cache, indices, topk_length=topk_length,
@@ -226,15 +254,15 @@ def flash_mla_with_kvcache(
                            _ext.dense_decode)
     native = _sm._arrays.native
     inputs = {name: native(value) for name, value in inputs.items()}
-    if meta.tile_scheduler_metadata is None:
+    plan_buf, scratch_buf = meta.tile_scheduler_metadata, meta.num_splits
+    if plan_buf is None:
         plan_bytes, scratch_bytes = size(**inputs)
-        meta.tile_scheduler_metadata = torch.empty(plan_bytes, dtype=torch.uint8,
-                                                   device=q.device)
-        meta.num_splits = torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device)
-        plan(**inputs, plan=native(meta.tile_scheduler_metadata),
-             scratch=native(meta.num_splits), stream=stream)
-    run(**inputs, out=native(out), lse=native(lse), plan=native(meta.tile_scheduler_metadata),
-        scratch=native(meta.num_splits), stream=stream)
+        plan_buf = torch.empty(plan_bytes, dtype=torch.uint8, device=q.device)
+        scratch_buf = torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device)
+        plan(**inputs, plan=native(plan_buf), scratch=native(scratch_buf), stream=stream)
+    run(**inputs, out=native(out), lse=native(lse), plan=native(plan_buf),
+        scratch=native(scratch_buf), stream=stream)
+    meta.tile_scheduler_metadata, meta.num_splits = plan_buf, scratch_buf
     return out, lse
 
 

@@ -1,6 +1,9 @@
 """torch CPU tensors: the native API, the flash_mla drop-in and the torch.library ops
 (torch.compile). Skipped when torch is not installed."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -129,6 +132,30 @@ def test_flash_mla_argument_checks():
         flash_mla.flash_mla_sparse_fwd(kw["q"][0], kw["q"][0], kw["indices"][0], 0.1)
 
 
+def test_flash_mla_first_call_failing_in_the_library_leaves_the_metadata_fresh():
+    p = sparse_problem(32, lengths=False, sink=False)
+    kw = torch_kwargs(p)
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(TypeError, match="indices"):  # rejected by the library, not the wrapper
+        flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], None, None, 512, meta,
+                                         is_fp8_kvcache=True, indices=kw["indices"].long())
+    assert not meta.have_initialized and meta.tile_scheduler_metadata is None
+    out, lse = flash_mla.flash_mla_with_kvcache(kw["q"][:, :1], kw["k_cache"], None, None, 512,
+                                                meta, is_fp8_kvcache=True,
+                                                indices=kw["indices"][:, :1])
+    assert meta.config.s_q == 1
+    p1 = dict(p, q=p["q"][:, :1], indices=p["indices"][:, :1])
+    assert_close(out, lse, *reference_of(p1))
+
+
+def test_flash_mla_registers_the_torch_ops_whatever_the_import_order():
+    # The docs import sparse_mla.flash_mla before torch; torch.compile needs the ops registered.
+    code = ("import sparse_mla.flash_mla, sparse_mla, torch; "
+            "assert hasattr(torch.ops.sparse_mla, 'sparse_decode'); "
+            "assert sparse_mla._ops is not None")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_mla_dense(causal):
     rng = np.random.default_rng(40)
@@ -158,6 +185,10 @@ def test_flash_mla_explicit_metadata_form():
     assert_close(out, lse, *reference_of(p))
     meta, _ = flash_mla.get_mla_metadata(cache_seqlens=None)
     assert isinstance(meta, flash_mla.FlashMLASchedMeta)
+    with pytest.raises(ValueError, match="num_heads_k: 0"):
+        flash_mla.get_mla_metadata(cache_seqlens, 16, 0)
+    with pytest.raises(ValueError, match="num_q_tokens_per_head_k: None"):
+        flash_mla.get_mla_metadata(cache_seqlens)
 
 
 # ------------------------------------------------------------------ torch.library ops
