@@ -89,8 +89,14 @@ def _backend(backend: Optional[str]) -> str:
     return "auto" if backend is None else backend
 
 
-def _allocator(like: Any):
-    return lambda nbytes: _arrays.empty(like, (nbytes,), "uint8")
+def _explicit_stream(like: Any, stream: Any) -> Optional[int]:
+    """The cudaStream_t of an explicit `stream=`; None when the call runs on the current stream.
+    What a call allocates is allocated on the stream that writes it (_arrays.empty)."""
+    return None if stream is None else _arrays.stream_for(like, stream)
+
+
+def _allocator(like: Any, stream: Optional[int] = None):
+    return lambda nbytes: _arrays.empty(like, (nbytes,), "uint8", stream)
 
 
 def available_backends() -> List[str]:
@@ -110,15 +116,16 @@ def _sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache, extra_indice
                 softmax_scale=softmax_scale)
 
 
-def _decode_outputs(q, out, lse, out_dtype: str, sparse_lse_layout: bool):
+def _decode_outputs(q, out, lse, out_dtype: str, sparse_lse_layout: bool,
+                    stream: Optional[int]):
     b, s_q, h_q = _arrays.shape_of(q)[:3]
     if out is None:
-        out = _arrays.empty(q, (b, s_q, h_q, D_V), out_dtype)
+        out = _arrays.empty(q, (b, s_q, h_q, D_V), out_dtype, stream)
     if lse is None:
         if sparse_lse_layout:
-            lse = _arrays.lse_like(q, b, s_q, h_q)
+            lse = _arrays.lse_like(q, b, s_q, h_q, stream)
         else:
-            lse = _arrays.empty(q, (b, h_q, s_q), "float32")
+            lse = _arrays.empty(q, (b, h_q, s_q), "float32", stream)
     return out, lse
 
 
@@ -149,14 +156,15 @@ def sparse_decode(q, k_cache, indices, *, topk_length=None, extra_k_cache=None,
                                   extra_topk_length=extra_topk_length, attn_sink=attn_sink,
                                   softmax_scale=softmax_scale, out=out, lse=lse,
                                   workspace=workspace, backend=backend)
-    out, lse = _decode_outputs(q, out, lse, "bfloat16", True)
+    on = _explicit_stream(q, stream)
+    out, lse = _decode_outputs(q, out, lse, "bfloat16", True, on)
     plan, scratch = _workspace_args(workspace)
     _ext.sparse_decode(**_sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache,
                                         extra_indices, extra_topk_length, attn_sink,
                                         softmax_scale),
                        out=_arrays.native(out), lse=_arrays.native(lse),
                        plan=_arrays.native(plan), scratch=_arrays.native(scratch),
-                       allocate=None if workspace is not None else _allocator(q),
+                       allocate=None if workspace is not None else _allocator(q, on),
                        backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
 
@@ -188,7 +196,7 @@ def sparse_decode_plan(q, k_cache, indices, *, topk_length=None, extra_k_cache=N
                             extra_topk_length, attn_sink, softmax_scale)
     if workspace is None:
         sizes = _ext.sparse_decode_workspace_size(**inputs, backend=_backend(backend))
-        workspace = _new_workspace(q, WorkspaceSizes(*sizes))
+        workspace = _new_workspace(q, WorkspaceSizes(*sizes), _explicit_stream(q, stream))
     _ext.sparse_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
                             scratch=_arrays.native(workspace.scratch),
                             backend=_backend(backend), stream=_arrays.stream_for(q, stream))
@@ -207,11 +215,11 @@ def sparse_decode_supported(q, k_cache, indices, *, topk_length=None, extra_k_ca
     return Support(ok, chosen or None, reason)
 
 
-def _new_workspace(like, sizes: WorkspaceSizes) -> Workspace:
+def _new_workspace(like, sizes: WorkspaceSizes, stream: Optional[int]) -> Workspace:
     if sizes.plan_bytes == 0 and sizes.scratch_bytes == 0:
         return Workspace(None, None)
-    return Workspace(_arrays.empty(like, (sizes.plan_bytes,), "uint8"),
-                     _arrays.empty(like, (sizes.scratch_bytes,), "uint8"))
+    return Workspace(_arrays.empty(like, (sizes.plan_bytes,), "uint8", stream),
+                     _arrays.empty(like, (sizes.scratch_bytes,), "uint8", stream))
 
 
 # ----------------------------------------------------------------------------- dense decode
@@ -238,13 +246,14 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, *, causal: bool = False
         return _ops.dense_decode(q, k_cache, block_table, cache_seqlens, causal=causal,
                                  softmax_scale=softmax_scale, out=out, lse=lse,
                                  workspace=workspace, backend=backend)
-    out, lse = _decode_outputs(q, out, lse, _arrays.dtype_name(q), False)
+    on = _explicit_stream(q, stream)
+    out, lse = _decode_outputs(q, out, lse, _arrays.dtype_name(q), False, on)
     plan, scratch = _workspace_args(workspace)
     _ext.dense_decode(**_dense_inputs(q, k_cache, block_table, cache_seqlens, causal,
                                       softmax_scale),
                       out=_arrays.native(out), lse=_arrays.native(lse),
                       plan=_arrays.native(plan), scratch=_arrays.native(scratch),
-                      allocate=None if workspace is not None else _allocator(q),
+                      allocate=None if workspace is not None else _allocator(q, on),
                       backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
 
@@ -268,7 +277,7 @@ def dense_decode_plan(q, k_cache, block_table, cache_seqlens, *, causal: bool = 
     inputs = _dense_inputs(q, k_cache, block_table, cache_seqlens, causal, softmax_scale)
     if workspace is None:
         sizes = _ext.dense_decode_workspace_size(**inputs, backend=_backend(backend))
-        workspace = _new_workspace(q, WorkspaceSizes(*sizes))
+        workspace = _new_workspace(q, WorkspaceSizes(*sizes), _explicit_stream(q, stream))
     _ext.dense_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
                            scratch=_arrays.native(workspace.scratch),
                            backend=_backend(backend), stream=_arrays.stream_for(q, stream))
@@ -317,11 +326,12 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     if len(shape) != 5:
         raise ValueError(f"out_parts: shape {list(shape)}, expected [n, b, s_q, h_q, d_v]")
     _, b, s_q, h_q, d_v = shape
+    on = _explicit_stream(out_parts, stream)
     if out is None:
         out = _arrays.empty(out_parts, (b, s_q, h_q, d_v),
-                            out_dtype or _arrays.dtype_name(out_parts))
+                            out_dtype or _arrays.dtype_name(out_parts), on)
     if lse is None:
-        lse = _arrays.lse_like(out_parts, b, s_q, h_q)
+        lse = _arrays.lse_like(out_parts, b, s_q, h_q, on)
     _ext.merge_attention(_arrays.native(out_parts), _arrays.native(lse_parts),
                          attn_sink=_arrays.native(attn_sink), out=_arrays.native(out),
                          lse=_arrays.native(lse),
@@ -358,7 +368,8 @@ def dequantize(k_cache, slots, *, out=None, dtype: str = "float32",
         return _ops.dequantize(k_cache, slots, out=out, dtype=dtype, backend=backend)
     if out is None:
         n = _arrays.shape_of(slots)[0]
-        out = _arrays.empty(k_cache, (n, _cache_d_qk(k_cache)), dtype)
+        out = _arrays.empty(k_cache, (n, _cache_d_qk(k_cache)), dtype,
+                            _explicit_stream(k_cache, stream))
     _ext.dequantize(_arrays.native(k_cache), _arrays.native(slots), _arrays.native(out),
                     backend=_backend(backend), stream=_arrays.stream_for(k_cache, stream))
     return _arrays.finish(k_cache, out)

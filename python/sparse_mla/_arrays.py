@@ -99,21 +99,32 @@ def dtype_name(x: Any) -> str:
     return "bfloat16" if name == "uint16" else name
 
 
-def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
-    """Uninitialised array of the library of `like`, on its device."""
+def empty(like: Any, shape: Sequence[int], dtype: str, stream: Optional[int] = None) -> Any:
+    """Uninitialised array of the library of `like`, on its device. `stream`: the cudaStream_t of
+    an explicit ``stream=`` the array will be written on; torch and cupy then allocate it on that
+    stream, so that their caching allocators reuse the memory only after that stream's work."""
     fw = framework(like)
     shape = tuple(int(s) for s in shape)
     if fw == "torch":
         import torch
 
-        return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+        if stream is None or like.device.type != "cuda":
+            return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+        on = (torch.cuda.default_stream(like.device) if stream == 0 else
+              torch.cuda.ExternalStream(stream, device=like.device))
+        with torch.cuda.stream(on):
+            return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
     if fw == "numpy":
         return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
     if fw == "cupy":
         import cupy
 
+        cupy_dtype = np.uint16 if dtype == "bfloat16" else dtype
         with cupy.cuda.Device(like.device.id):
-            return cupy.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+            if stream is None:
+                return cupy.empty(shape, dtype=cupy_dtype)
+            with cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream):
+                return cupy.empty(shape, dtype=cupy_dtype)
     from . import _ext
 
     device_type, device_id = like.__dlpack_device__()
@@ -141,12 +152,12 @@ def transposed_12(x: Any) -> Any:
     return None
 
 
-def lse_like(like: Any, b: int, s_q: int, h_q: int) -> Any:
+def lse_like(like: Any, b: int, s_q: int, h_q: int, stream: Optional[int] = None) -> Any:
     """lse [b, h_q, s_q] float32 as a view of a contiguous [b, s_q, h_q] buffer (FlashMLA's sparse
     layout, strides (s_q*h_q, 1, h_q)); arrays of other libraries get a contiguous one."""
     if framework(like) == "other":
-        return empty(like, (b, h_q, s_q), "float32")
-    return transposed_12(empty(like, (b, s_q, h_q), "float32"))
+        return empty(like, (b, h_q, s_q), "float32", stream)
+    return transposed_12(empty(like, (b, s_q, h_q), "float32", stream))
 
 
 def stack(parts: Sequence[Any]) -> Any:

@@ -87,6 +87,25 @@ def test_runs_on_the_current_torch_stream():
     assert_close(out, lse, *reference_of(p))
 
 
+def test_explicit_stream_keeps_the_calls_own_allocations_on_it():
+    # The call's temporary plan and scratch are freed when it returns, while its kernels still
+    # wait on `side`; torch must not hand that memory to work on the current stream meanwhile.
+    p = sparse_problem(410, b=2, s_q=2, h_q=64, topk=128, ps=64, pages=4, extra=(64, 2, 60))
+    kw = gpu_kwargs(p)
+    q, k_cache, indices = kw.pop("q"), kw.pop("k_cache"), kw.pop("indices")
+    sizes = sm.sparse_decode_workspace_size(q, k_cache, indices, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms: the decode runs after the fills below
+    out, lse = sm.sparse_decode(q, k_cache, indices, **kw, stream=side)
+    fills = [torch.full((n,), 0xFF, dtype=torch.uint8, device=DEV)
+             for n in (sizes.plan_bytes, sizes.scratch_bytes) for _ in range(4) if n > 0]
+    side.synchronize()
+    assert len(fills) > 0
+    assert_close(out, lse, *reference_of(p))
+
+
 def test_cuda_graph_captures_planning_and_layers():
     layers = 3
     p = sparse_problem(500, b=2, s_q=2, h_q=64, topk=96, ps=64, pages=4, extra=(40, 2, 60))
