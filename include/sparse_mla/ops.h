@@ -105,7 +105,8 @@ Status dequantize(const DequantizeArgs& args, const Options& options);
 
 // Copies each request's first seqlens[i] tokens from src pages to dst pages (same format, any
 // page sizes and strides). Only the pages the tables name are read or written; tokens past
-// seqlens[i] in the last dst page are left untouched.
+// seqlens[i] in the last dst page are left untouched. src and dst may be one pool when no page is
+// both read and written by the call (docs/errors.md).
 struct RepackArgs {
   KVCache src;
   KVCache dst;

@@ -2,6 +2,7 @@
 #include "sparse_mla/ops.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -20,6 +21,7 @@ namespace sparse_mla {
 namespace {
 
 using validate::check_kv_cache;
+using validate::check_kv_format;
 using validate::check_same_device;
 using validate::check_tensor;
 using validate::kAny;
@@ -34,6 +36,11 @@ std::string str(int64_t v) { return std::to_string(v); }
 // ---- backend selection ----
 
 Status requested_backend(const Options& options, Backend* requested) {
+  const int value = static_cast<int>(options.backend);
+  if (value < static_cast<int>(Backend::kAuto) || value > static_cast<int>(Backend::kSM90)) {
+    return Status::InvalidArgument("options.backend: value " + str(value) +
+                                   ", expected auto, cpu, cuda or sm90");
+  }
   *requested = options.backend;
   if (options.backend != Backend::kAuto) return Status::Ok();
   const char* env = std::getenv("SPARSE_MLA_BACKEND");
@@ -124,6 +131,18 @@ Status check_length_tensor(const std::optional<TensorView>& t, const char* name,
   return check_same_device(*t, name, device, "q");
 }
 
+// Query rows b * s_q * h_q: the backends count rows and token lists in 32-bit integers. Only
+// tensors with zero strides come near the limit (q alone would take terabytes).
+Status check_query_rows(const char* name, int64_t b, int64_t s_q, int64_t h_q) {
+  constexpr int64_t kMaxRows = INT32_MAX;
+  if (b > 0 && s_q > 0 && (s_q > kMaxRows / b || h_q > kMaxRows / (b * s_q))) {
+    return Status::InvalidArgument(std::string(name) + ": b * s_q * h_q = " + str(b) + " * " +
+                                   str(s_q) + " * " + str(h_q) + " query rows, expected at most " +
+                                   str(kMaxRows));
+  }
+  return Status::Ok();
+}
+
 // ---- per-operation validation ----
 
 Status validate_sparse(const SparseDecodeArgs& a, SparseDecodeProblem* p) {
@@ -135,6 +154,8 @@ Status validate_sparse(const SparseDecodeArgs& a, SparseDecodeProblem* p) {
   p->h_q = a.q.shape[2];
   if (p->s_q < 1) return Status::InvalidArgument("q: s_q (dim 1) is " + str(p->s_q) + ", expected >= 1");
   if (p->h_q < 1) return Status::InvalidArgument("q: h_q (dim 2) is " + str(p->h_q) + ", expected >= 1");
+  SPARSE_MLA_RETURN_IF_ERROR(check_query_rows("q", p->b, p->s_q, p->h_q));
+  SPARSE_MLA_RETURN_IF_ERROR(check_kv_format(a.kv, "k_cache"));
   if (!kv_format_is_fp8(a.kv.format)) {
     return Status::InvalidArgument(std::string("k_cache: format ") + kv_format_name(a.kv.format) +
                                    ", expected MODEL1 or V32 (FP8 pages) for sparse decode");
@@ -164,6 +185,7 @@ Status validate_sparse(const SparseDecodeArgs& a, SparseDecodeProblem* p) {
       return Status::InvalidArgument("extra_topk_length: given without extra_k_cache");
     }
   } else {
+    SPARSE_MLA_RETURN_IF_ERROR(check_kv_format(*a.extra_kv, "extra_k_cache"));
     if (a.extra_kv->format != a.kv.format) {
       return Status::InvalidArgument(std::string("extra_k_cache: format ") +
                                      kv_format_name(a.extra_kv->format) + ", expected " +
@@ -211,6 +233,7 @@ Status validate_dense(const DenseDecodeArgs& a, DenseDecodeProblem* p) {
   p->h_q = a.q.shape[2];
   if (p->s_q < 1) return Status::InvalidArgument("q: s_q (dim 1) is " + str(p->s_q) + ", expected >= 1");
   if (p->h_q < 1) return Status::InvalidArgument("q: h_q (dim 2) is " + str(p->h_q) + ", expected >= 1");
+  SPARSE_MLA_RETURN_IF_ERROR(check_query_rows("q", p->b, p->s_q, p->h_q));
   SPARSE_MLA_RETURN_IF_ERROR(check_kv_cache(a.kv, "k_cache"));
   if (a.kv.device != dev) {
     return Status::InvalidArgument("k_cache: on " + device_name(a.kv.device) + ", expected " +
@@ -267,6 +290,7 @@ Status validate_merge(const MergeArgs& a, MergeProblem* p) {
   p->h_q = a.out_parts.shape[3];
   const int64_t d_v = a.out_parts.shape[4];
   if (p->n < 1) return Status::InvalidArgument("out_parts: n (dim 0) is 0, expected >= 1");
+  SPARSE_MLA_RETURN_IF_ERROR(check_query_rows("out_parts", p->b, p->s_q, p->h_q));
   if (d_v < 1 || d_v > 4096) {
     return Status::InvalidArgument("out_parts: d_v (dim 4) is " + str(d_v) + ", expected 1..4096");
   }
@@ -288,6 +312,7 @@ Status validate_merge(const MergeArgs& a, MergeProblem* p) {
 }
 
 Status validate_quantize_store(const QuantizeStoreArgs& a) {
+  SPARSE_MLA_RETURN_IF_ERROR(check_kv_format(a.kv, "kv"));
   if (!kv_format_is_fp8(a.kv.format)) {
     return Status::InvalidArgument(std::string("kv: format ") + kv_format_name(a.kv.format) +
                                    ", expected MODEL1 or V32 (quantize_store writes FP8 pages)");

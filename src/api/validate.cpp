@@ -114,13 +114,18 @@ Status check_same_device(const TensorView& t, const char* name, Device expected,
                                  expected_from + ")");
 }
 
-Status check_kv_cache(const KVCache& kv, const char* arg) {
-  const std::string name(arg);
-  if (static_cast<int>(kv.format) > static_cast<int>(KVFormat::kFP16)) {
-    return Status::InvalidArgument(name + ": format value " +
-                                   std::to_string(static_cast<int>(kv.format)) +
+Status check_kv_format(const KVCache& kv, const char* arg) {
+  const int value = static_cast<int>(kv.format);  // the enum is unsigned
+  if (value > static_cast<int>(KVFormat::kFP16)) {
+    return Status::InvalidArgument(std::string(arg) + ": format value " + std::to_string(value) +
                                    ", expected MODEL1, V32, BF16 or FP16");
   }
+  return Status::Ok();
+}
+
+Status check_kv_cache(const KVCache& kv, const char* arg) {
+  const std::string name(arg);
+  SPARSE_MLA_RETURN_IF_ERROR(check_kv_format(kv, arg));
   if (kv.num_heads < 1 || (kv_format_is_fp8(kv.format) && kv.num_heads != 1) ||
       kv.num_heads > 128) {
     return Status::InvalidArgument(name + ": num_heads " + std::to_string(kv.num_heads) +

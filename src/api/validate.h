@@ -34,6 +34,8 @@ struct TensorSpec {
 Status check_tensor(const TensorView& t, const TensorSpec& spec);
 Status check_same_device(const TensorView& t, const char* name, Device expected,
                          const char* expected_from);
+// The format is one of KVFormat's values (checked before any format-specific rule).
+Status check_kv_format(const KVCache& kv, const char* name);
 Status check_kv_cache(const KVCache& kv, const char* name);
 Status check_workspace(const void* ptr, size_t have, size_t need, const char* name);
 

@@ -22,6 +22,8 @@ using detail::kTileTokens;
 constexpr int64_t kChunkTokens = 2048;
 constexpr int64_t kMaxChunks = 8;
 constexpr int64_t kSplitBelowUnits = 4;
+// Chunk partials take rows * chunks * d_v floats: chunked only up to this many rows a request.
+constexpr int64_t kMaxChunkRows = 4096;
 
 }  // namespace
 
@@ -39,7 +41,8 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
 
   int64_t chunks = 1;
   int64_t chunk_tokens = std::max<int64_t>(max_tokens, 1);
-  if (p.b * p.h_kv < kSplitBelowUnits && max_tokens > 2 * kChunkTokens) {
+  if (p.b * p.h_kv < kSplitBelowUnits && max_tokens > 2 * kChunkTokens &&
+      rows_total <= kMaxChunkRows) {
     chunks = std::min(kMaxChunks, (max_tokens + kChunkTokens - 1) / kChunkTokens);
     chunk_tokens =
         ((max_tokens + chunks - 1) / chunks + kTileTokens - 1) / kTileTokens * kTileTokens;
@@ -51,6 +54,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
   if (base_units < threads) {
     rgroups = std::min<int64_t>((threads + base_units - 1) / base_units, (rows_total + 7) / 8);
   }
+  rgroups = std::max(rgroups, (rows_total + detail::kMaxRowsPerUnit - 1) / detail::kMaxRowsPerUnit);
   const int64_t rows_per = (rows_total + rgroups - 1) / rgroups;
   rgroups = (rows_total + rows_per - 1) / rows_per;
   const int64_t units = base_units * rgroups;

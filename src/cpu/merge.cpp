@@ -43,25 +43,26 @@ void store_row(const TensorView& out, int64_t i, int64_t s, int64_t h, int d_v, 
 Status merge_attention(const MergeArgs& args, const MergeProblem& p) {
   const int64_t rows = p.b * p.s_q * p.h_q;
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Three passes over a row's parts (maximum, sum, weighted sum) read the lse again instead of
+  // keeping a weight a part, so a thread's memory does not grow with n.
 #pragma omp parallel
   {
     std::vector<float> acc(p.d_v);
-    std::vector<double> weight(p.n);
-    std::vector<char> empty(p.n);
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t h = row % p.h_q;
       const int64_t s = row / p.h_q % p.s_q;
       const int64_t i = row / p.h_q / p.s_q;
       float* lse_out = detail::element<float>(args.lse, i, h, s);
+      auto part_lse = [&](int64_t c) -> double {
+        return *detail::element<const float>(args.lse_parts, c, i, s, h);
+      };
       double mx = -std::numeric_limits<double>::infinity();
       bool any = false, has_nan = false;
       for (int64_t c = 0; c < p.n; ++c) {
-        const double l = *detail::element<const float>(args.lse_parts, c, i, s, h);
-        empty[c] = std::isinf(l);
-        weight[c] = l;
+        const double l = part_lse(c);
         if (std::isnan(l)) has_nan = true;
-        if (empty[c]) continue;
+        if (std::isinf(l)) continue;  // an empty part
         mx = std::max(mx, l);
         any = true;
       }
@@ -77,8 +78,8 @@ Status merge_attention(const MergeArgs& args, const MergeProblem& p) {
       }
       double sum = 0;
       for (int64_t c = 0; c < p.n; ++c) {
-        weight[c] = empty[c] ? 0.0 : std::exp(weight[c] - mx);
-        sum += weight[c];
+        const double l = part_lse(c);
+        if (!std::isinf(l)) sum += std::exp(l - mx);
       }
       const double lse = mx + std::log(sum);
       double factor = 1.0 / sum;
@@ -88,14 +89,15 @@ Status merge_attention(const MergeArgs& args, const MergeProblem& p) {
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0; c < p.n; ++c) {
-        if (empty[c]) continue;  // its values are never read
+        const double l = part_lse(c);
+        if (std::isinf(l)) continue;  // its values are never read
         const void* part =
             args.out_parts.dtype == DType::kFloat32
                 ? static_cast<const void*>(detail::element<const float>(args.out_parts, c, i, s, h))
                 : static_cast<const void*>(
                       detail::element<const uint16_t>(args.out_parts, c, i, s, h));
         accumulate(args.out_parts, part, args.out_parts.strides[4], p.d_v,
-                   static_cast<float>(weight[c] * factor), acc.data());
+                   static_cast<float>(std::exp(l - mx) * factor), acc.data());
       }
       store_row(args.out, i, s, h, p.d_v, acc.data(), 0.f, false);
       *lse_out = static_cast<float>(lse);

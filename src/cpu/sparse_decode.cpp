@@ -81,6 +81,7 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p)
   if (rows_bs < threads) {
     groups = std::min<int64_t>((threads + rows_bs - 1) / rows_bs, (p.h_q + 7) / 8);
   }
+  groups = std::max(groups, (p.h_q + detail::kMaxRowsPerUnit - 1) / detail::kMaxRowsPerUnit);
   const int64_t heads_per_group = (p.h_q + groups - 1) / groups;
   groups = (p.h_q + heads_per_group - 1) / heads_per_group;
   const int64_t units = rows_bs * groups;

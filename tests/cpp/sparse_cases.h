@@ -100,6 +100,10 @@ inline std::vector<NamedCase> corner_cases() {
     c.extra_page_stride = ref::default_page_stride(M1, 61) + 1024;
     v.push_back({"b3_sq2_h100_model1_strided_q_indices_out_lse_padded_pages", c});
   }
+  // More heads than one CPU work unit takes (256): the CPU splits them into groups; on a GPU five
+  // 64-row blocks, the last partly padding.
+  v.push_back({"b2_sq1_h300_topk90_page61_model1_extra_page2",
+               with_extra(base(M1, 2, 1, 300, 90, 61), 40, 2)});
   {
     auto c = with_extra(base(M1, 3, 2, 8, 120, 64), 60, 2);
     c.index.invalid_fraction = 0.2;

@@ -95,8 +95,20 @@ TEST(ErrorCatalogue, SparseDecode) {
        [](SparseFixture& f) { f.args.q.strides[0] = int64_t{1} << 61; }},
       {{"q null data", kBad, "q: data pointer is null"},
        [](SparseFixture& f) { f.args.q.data = nullptr; }},
+      {{"q rows", kBad, "q: b * s_q * h_q = 2 * 1 * 2147483647 query rows, expected at most "
+                        "2147483647"},
+       [](SparseFixture& f) { f.args.q.shape[2] = INT32_MAX; f.args.q.strides[2] = 0; }},
       {{"cache format", kBad, "k_cache: format BF16, expected MODEL1 or V32"},
        [](SparseFixture& f) { f.args.kv.format = KVFormat::kBF16; }},
+      {{"cache format value", kBad, "k_cache: format value 9, expected MODEL1, V32, BF16 or FP16"},
+       [](SparseFixture& f) { f.args.kv.format = static_cast<KVFormat>(9); }},
+      {{"extra format value", kBad,
+        "extra_k_cache: format value 200, expected MODEL1, V32, BF16 or FP16"},
+       [](SparseFixture& f) {
+         f.args.extra_kv = f.args.kv;
+         f.args.extra_kv->format = static_cast<KVFormat>(200);
+         f.args.extra_indices = f.args.indices;
+       }},
       {{"page stride small", kBad, "k_cache: page_stride 37360 bytes, expected >= page_size"},
        [](SparseFixture& f) { f.args.kv.page_stride = 37360; }},
       {{"page stride unaligned", kBad, "k_cache: page_stride 37448 bytes, expected a multiple of 16"},
@@ -185,6 +197,9 @@ TEST(ErrorCatalogue, BackendSelection) {
   ::setenv("SPARSE_MLA_BACKEND", "cpu", 1);
   EXPECT_TRUE(sparse_decode_supported(f.args, Options{}, &chosen).ok());
   ::unsetenv("SPARSE_MLA_BACKEND");
+  expect_error(sparse_decode(f.args, Workspace{}, Options{static_cast<Backend>(7)}),
+               {"backend value", StatusCode::kInvalidArgument,
+                "options.backend: value 7, expected auto, cpu, cuda or sm90"});
   Backend parsed;
   expect_error(parse_backend("gpu", &parsed),
                {"parse", StatusCode::kInvalidArgument, "backend: 'gpu', expected one of"});
@@ -227,6 +242,8 @@ TEST(ErrorCatalogue, DenseDecode) {
        [](DenseFixture& f) { f.args.kv.num_heads = 0; }},
       {{"dense out dtype", kBad, "out: dtype float16, expected bfloat16"},
        [](DenseFixture& f) { f.args.out.dtype = DType::kFloat16; }},
+      {{"dense q rows", kBad, "q: b * s_q * h_q = 2 * 1073741824 * 4 query rows"},
+       [](DenseFixture& f) { f.args.q.shape[1] = int64_t{1} << 30; f.args.q.strides[1] = 0; }},
   };
   for (const auto& [c, mutate] : cases) {
     DenseFixture f;
@@ -250,6 +267,14 @@ TEST(ErrorCatalogue, MergeAndKVTools) {
   bad = m;
   bad.lse_parts.shape[3] = 5;
   expect_error(merge_attention(bad, {}), {"merge lse", kBad, "lse_parts: shape [2, 1, 1, 5], expected [2, 1, 1, 4]"});
+  bad = m;  // 2^66 rows would wrap to 0 in 64 bits
+  for (int d = 1; d <= 3; ++d) {
+    bad.out_parts.shape[d] = bad.lse_parts.shape[d] = int64_t{1} << 22;
+    bad.out_parts.strides[d] = bad.lse_parts.strides[d] = 0;
+  }
+  expect_error(merge_attention(bad, {}),
+               {"merge rows", kBad, "out_parts: b * s_q * h_q = 4194304 * 4194304 * 4194304 "
+                                    "query rows, expected at most 2147483647"});
   bad = m;
   bad.out.dtype = DType::kFloat16;
   expect_error(merge_attention(bad, {}), {"merge out dtype", kBad, "out: dtype float16, expected bfloat16 or float32"});
