@@ -385,8 +385,8 @@ struct SparseOp {
   static Status validate(const Args& a, Problem* p) { return validate_sparse(a, p); }
   static Status run_cpu(const Args& a, const Problem& p) { return cpu::sparse_decode(a, p); }
 #if SPARSE_MLA_WITH_CUDA
-  static WorkspaceSizes sizes(const Problem& p, int device) {
-    return cuda::sparse_decode_workspace_size(p, device);
+  static Status sizes(const Args& a, const Problem& p, WorkspaceSizes* sizes) {
+    return cuda::sparse_decode_workspace_size(p, a.q.device.index, sizes);
   }
   static Status plan(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
     return cuda::sparse_decode_plan(a, p, ws, stream);
@@ -404,8 +404,8 @@ struct DenseOp {
   static Status validate(const Args& a, Problem* p) { return validate_dense(a, p); }
   static Status run_cpu(const Args& a, const Problem& p) { return cpu::dense_decode(a, p); }
 #if SPARSE_MLA_WITH_CUDA
-  static WorkspaceSizes sizes(const Problem& p, int device) {
-    return cuda::dense_decode_workspace_size(p, device);
+  static Status sizes(const Args& a, const Problem& p, WorkspaceSizes* sizes) {
+    return cuda::dense_decode_workspace_size(p, a.kv.format, a.q.device.index, sizes);
   }
   static Status plan(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
     return cuda::dense_decode_plan(a, p, ws, stream);
@@ -426,6 +426,18 @@ Status prepare_decode(const typename Op::Args& args, const Options& options,
   return Status::Ok();
 }
 
+// Valid, and the chosen backend can run it (on CUDA: its kernels' limits, as the run checks).
+template <typename Op>
+Status decode_supported(const typename Op::Args& args, const Options& options, Backend* chosen) {
+  typename Op::Problem p;
+  SPARSE_MLA_RETURN_IF_ERROR(prepare_decode<Op>(args, options, &p, chosen));
+#if SPARSE_MLA_WITH_CUDA
+  WorkspaceSizes need;
+  if (*chosen != Backend::kCPU) return Op::sizes(args, p, &need);
+#endif
+  return Status::Ok();
+}
+
 template <typename Op>
 Status decode_workspace_size(const typename Op::Args& args, const Options& options,
                              WorkspaceSizes* sizes) {
@@ -434,7 +446,7 @@ Status decode_workspace_size(const typename Op::Args& args, const Options& optio
   SPARSE_MLA_RETURN_IF_ERROR(prepare_decode<Op>(args, options, &p, &backend));
   *sizes = WorkspaceSizes{};  // the CPU backend needs no workspace
 #if SPARSE_MLA_WITH_CUDA
-  if (backend != Backend::kCPU) *sizes = Op::sizes(p, args.q.device.index);
+  if (backend != Backend::kCPU) return Op::sizes(args, p, sizes);
 #endif
   return Status::Ok();
 }
@@ -448,8 +460,9 @@ Status decode_call(const typename Op::Args& args, const Workspace& workspace,
   SPARSE_MLA_RETURN_IF_ERROR(prepare_decode<Op>(args, options, &p, &backend));
 #if SPARSE_MLA_WITH_CUDA
   if (backend != Backend::kCPU) {
-    SPARSE_MLA_RETURN_IF_ERROR(
-        check_decode_workspace(workspace, Op::sizes(p, args.q.device.index)));
+    WorkspaceSizes need;
+    SPARSE_MLA_RETURN_IF_ERROR(Op::sizes(args, p, &need));
+    SPARSE_MLA_RETURN_IF_ERROR(check_decode_workspace(workspace, need));
     DeviceGuard guard(args.q.device.index);
     return run ? Op::run(args, p, workspace, options.stream)
                : Op::plan(args, p, workspace, options.stream);
@@ -466,8 +479,7 @@ Status decode_call(const typename Op::Args& args, const Workspace& workspace,
 
 Status sparse_decode_supported(const SparseDecodeArgs& args, const Options& options,
                                Backend* chosen) {
-  SparseDecodeProblem p;
-  return prepare_decode<SparseOp>(args, options, &p, chosen);
+  return decode_supported<SparseOp>(args, options, chosen);
 }
 
 Status sparse_decode_workspace_size(const SparseDecodeArgs& args, const Options& options,
@@ -489,8 +501,7 @@ Status sparse_decode(const SparseDecodeArgs& args, const Workspace& workspace,
 
 Status dense_decode_supported(const DenseDecodeArgs& args, const Options& options,
                               Backend* chosen) {
-  DenseDecodeProblem p;
-  return prepare_decode<DenseOp>(args, options, &p, chosen);
+  return decode_supported<DenseOp>(args, options, chosen);
 }
 
 Status dense_decode_workspace_size(const DenseDecodeArgs& args, const Options& options,

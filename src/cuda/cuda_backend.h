@@ -12,13 +12,18 @@ bool device_usable(int device_index, std::string* why_not);
 // backend); otherwise *why_not says why. Cached per device.
 bool sm90_usable(int device_index, std::string* why_not);
 
-WorkspaceSizes sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index);
+// The workspace a decode needs, or why the CUDA kernels cannot run it (the error its run gives).
+Status sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index,
+                                    WorkspaceSizes* sizes);
 Status sparse_decode_plan(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
                           const Workspace& ws, void* stream);
 Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
                      const Workspace& ws, void* stream);
 
-WorkspaceSizes dense_decode_workspace_size(const DenseDecodeProblem& p, int device_index);
+// The sizes cover every format of the cache's d_qk (one workspace serves them all); the status
+// is that of the cache's own format.
+Status dense_decode_workspace_size(const DenseDecodeProblem& p, KVFormat format, int device_index,
+                                   WorkspaceSizes* sizes);
 Status dense_decode_plan(const DenseDecodeArgs& args, const DenseDecodeProblem& p,
                          const Workspace& ws, void* stream);
 Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p,

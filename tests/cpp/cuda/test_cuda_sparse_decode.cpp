@@ -163,6 +163,31 @@ TEST(CudaSparseDecodeLengths, ZeroPartialAndBeyondTopk) {
   }
 }
 
+// A request past a CUDA limit (more than 65535 row blocks: 2^22 heads, q, out and lse broadcast
+// by zero strides) is refused alike by the queries and the run, not accepted by the queries.
+TEST(CudaSparseDecodeCorners, KernelLimitsReportedByEveryQuery) {
+  SKIP_WITHOUT_GPU();
+  const int64_t h_q = int64_t{64} << 16, topk = 8;
+  const Device dev = gpu_test::cuda_device();
+  gpu_test::DeviceBuffer q(512 * 2), cache(37440), indices(topk * 4), out(512 * 2), lse(4);
+  SparseDecodeArgs a;
+  a.q = TensorView::strided(q.data(), DType::kBFloat16, dev, {1, 1, h_q, 512}, {0, 0, 0, 1});
+  a.kv = KVCache{cache.data(), dev, KVFormat::kModel1, 1, 64, 37440, 1};
+  a.indices = TensorView::contiguous(indices.data(), DType::kInt32, dev, {1, 1, topk});
+  a.out = TensorView::strided(out.data(), DType::kBFloat16, dev, {1, 1, h_q, 512}, {0, 0, 0, 1});
+  a.lse = TensorView::strided(lse.data(), DType::kFloat32, dev, {1, h_q, 1}, {0, 0, 0});
+  const Options options{gpu_test::gpu_backend_under_test()};
+  Backend chosen;
+  WorkspaceSizes sizes;
+  const Status statuses[] = {sparse_decode_supported(a, options, &chosen),
+                             sparse_decode_workspace_size(a, options, &sizes),
+                             sparse_decode(a, Workspace{}, options)};
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+    EXPECT_NE(s.message().find("row blocks"), std::string::npos) << s.to_string();
+  }
+}
+
 TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
   SKIP_WITHOUT_GPU();
   ref::SparseCaseConfig cfg = with_extra(base(M1, 3, 2, 16, 70, 64), 20, 2);

@@ -133,10 +133,14 @@ Status run_decode(const DecodeShape& s, const DecodeParams& dp, bool fp16_out, v
 
 // ---- Sparse decode ----
 
-WorkspaceSizes sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index) {
+Status sparse_decode_workspace_size(const SparseDecodeProblem& p, int device_index,
+                                    WorkspaceSizes* sizes) {
+  *sizes = WorkspaceSizes{};
+  if (p.b == 0) return Status::Ok();
   DecodeShape s;
-  if (p.b == 0 || !sparse_shape(p, device_index, &s).ok()) return WorkspaceSizes{};
-  return WorkspaceSizes{s.plan_bytes, s.scratch_bytes};
+  SPARSE_MLA_RETURN_IF_ERROR(sparse_shape(p, device_index, &s));
+  *sizes = WorkspaceSizes{s.plan_bytes, s.scratch_bytes};
+  return Status::Ok();
 }
 
 Status sparse_decode_plan(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
@@ -194,9 +198,12 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
 
 // The problem does not name the cache format; d_qk 576 may be V32, BF16 or FP16 pages, whose
 // kernels may pick different tiles. The workspace covers the largest of them.
-WorkspaceSizes dense_decode_workspace_size(const DenseDecodeProblem& p, int device_index) {
-  if (p.b == 0) return WorkspaceSizes{};
-  WorkspaceSizes w{};
+Status dense_decode_workspace_size(const DenseDecodeProblem& p, KVFormat format, int device_index,
+                                   WorkspaceSizes* sizes) {
+  *sizes = WorkspaceSizes{};
+  if (p.b == 0) return Status::Ok();
+  DecodeShape own;
+  SPARSE_MLA_RETURN_IF_ERROR(dense_shape(p, fmt_of(format), device_index, &own));
   const Fmt m1[] = {Fmt::kModel1};
   const Fmt wide[] = {Fmt::kV32, Fmt::kBF16, Fmt::kFP16};
   const bool is_m1 = p.d_qk == kModel1NopeDims + kRopeDims;
@@ -204,10 +211,10 @@ WorkspaceSizes dense_decode_workspace_size(const DenseDecodeProblem& p, int devi
   for (int k = 0; k < (is_m1 ? 1 : 3); ++k) {
     DecodeShape s;
     if (!dense_shape(p, fmts[k], device_index, &s).ok()) continue;
-    w.plan_bytes = std::max(w.plan_bytes, s.plan_bytes);
-    w.scratch_bytes = std::max(w.scratch_bytes, s.scratch_bytes);
+    sizes->plan_bytes = std::max(sizes->plan_bytes, s.plan_bytes);
+    sizes->scratch_bytes = std::max(sizes->scratch_bytes, s.scratch_bytes);
   }
-  return w;
+  return Status::Ok();
 }
 
 Status dense_decode_plan(const DenseDecodeArgs& args, const DenseDecodeProblem& p,
