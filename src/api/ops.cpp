@@ -405,7 +405,7 @@ struct DenseOp {
   static Status run_cpu(const Args& a, const Problem& p) { return cpu::dense_decode(a, p); }
 #if SPARSE_MLA_WITH_CUDA
   static Status sizes(const Args& a, const Problem& p, WorkspaceSizes* sizes) {
-    return cuda::dense_decode_workspace_size(p, a.kv.format, a.q.device.index, sizes);
+    return cuda::dense_decode_workspace_size(p, a.kv, a.q.device.index, sizes);
   }
   static Status plan(const Args& a, const Problem& p, const Workspace& ws, void* stream) {
     return cuda::dense_decode_plan(a, p, ws, stream);

@@ -19,8 +19,8 @@
 namespace sparse_mla::cpu::detail {
 
 inline constexpr int kTileTokens = 64;
-// Query rows one work unit attends for at most: bounds a thread's state (a Q and an O row, ~4 KB
-// each) whatever the shape; more rows are split into more units (results unchanged).
+// Query rows one work unit attends for at most: bounds a thread's state (a Q and an O row, ~4.3 KB
+// a row together) whatever the shape; more rows are split into more units (results unchanged).
 inline constexpr int64_t kMaxRowsPerUnit = 256;
 // Floats between dequantized rows: d_qk plus one cache line, so the column walk of O += P V does
 // not map every row onto the same L1 sets.

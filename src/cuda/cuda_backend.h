@@ -21,9 +21,9 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
                      const Workspace& ws, void* stream);
 
 // The sizes cover every format of the cache's d_qk (one workspace serves them all); the status
-// is that of the cache's own format.
-Status dense_decode_workspace_size(const DenseDecodeProblem& p, KVFormat format, int device_index,
-                                   WorkspaceSizes* sizes);
+// is that of the cache itself (its format and page size).
+Status dense_decode_workspace_size(const DenseDecodeProblem& p, const KVCache& kv,
+                                   int device_index, WorkspaceSizes* sizes);
 Status dense_decode_plan(const DenseDecodeArgs& args, const DenseDecodeProblem& p,
                          const Workspace& ws, void* stream);
 Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p,

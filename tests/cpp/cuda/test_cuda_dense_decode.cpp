@@ -222,6 +222,34 @@ void relink_pages(ref::DenseCase& c, uint64_t seed, const std::vector<TableEntry
 
 // Block-table entries outside [0, num_pages) make their tokens absent and are never read;
 // requests with no token left give out 0 and lse +inf.
+// Token positions past the kernels' 32-bit limit (a page of 2^31-1 tokens in a cache of no pages)
+// are refused alike by the queries and the run.
+TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
+  SKIP_WITHOUT_GPU();
+  const Device dev = gpu_test::cuda_device();
+  const int64_t page_size = INT32_MAX;
+  gpu_test::DeviceBuffer q(16 * 576 * 2), cache(16), table(4), seqlens(4), out(16 * 512 * 2),
+      lse(16 * 4);
+  DenseDecodeArgs a;
+  a.q = TensorView::contiguous(q.data(), DType::kBFloat16, dev, {1, 1, 16, 576});
+  a.kv = KVCache{cache.data(), dev, KVFormat::kBF16, 0, page_size, page_size * 1152, 1};
+  a.block_table = TensorView::contiguous(table.data(), DType::kInt32, dev, {1, 1});
+  a.cache_seqlens = TensorView::contiguous(seqlens.data(), DType::kInt32, dev, {1});
+  a.out = TensorView::contiguous(out.data(), DType::kBFloat16, dev, {1, 1, 16, 512});
+  a.lse = TensorView::contiguous(lse.data(), DType::kFloat32, dev, {1, 16, 1});
+  const Options options{gpu_test::gpu_backend_under_test()};
+  Backend chosen;
+  WorkspaceSizes sizes;
+  const Status statuses[] = {dense_decode_supported(a, options, &chosen),
+                             dense_decode_workspace_size(a, options, &sizes),
+                             dense_decode(a, Workspace{}, options)};
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+    EXPECT_NE(s.message().find("max_pages * page_size = 2147483647"), std::string::npos)
+        << s.to_string();
+  }
+}
+
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
   SKIP_WITHOUT_GPU();
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kModel1}) {

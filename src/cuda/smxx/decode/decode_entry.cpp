@@ -61,6 +61,17 @@ Status sparse_shape(const SparseDecodeProblem& p, int device, DecodeShape* s) {
                                          p.topk + p.extra_topk, p.sm90, device, s);
 }
 
+// Dense token positions (max_pages * page_size) must fit the kernels' 32-bit token counts.
+Status check_dense_tokens(const DenseDecodeProblem& p, int64_t page_size) {
+  const int64_t max_tokens = p.max_pages * page_size;
+  if (max_tokens > kMaxTokens) {
+    return Status::Unsupported("cuda dense decode: max_pages * page_size = " +
+                               std::to_string(max_tokens) + ", at most " +
+                               std::to_string(kMaxTokens) + " supported");
+  }
+  return Status::Ok();
+}
+
 Status dense_shape(const DenseDecodeProblem& p, Fmt fmt, int device, DecodeShape* s) {
   const int64_t hpk = p.h_q / p.h_kv;
   // The page size is not part of the problem (the workspace query has only shapes), so the
@@ -198,12 +209,13 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
 
 // The problem does not name the cache format; d_qk 576 may be V32, BF16 or FP16 pages, whose
 // kernels may pick different tiles. The workspace covers the largest of them.
-Status dense_decode_workspace_size(const DenseDecodeProblem& p, KVFormat format, int device_index,
-                                   WorkspaceSizes* sizes) {
+Status dense_decode_workspace_size(const DenseDecodeProblem& p, const KVCache& kv,
+                                   int device_index, WorkspaceSizes* sizes) {
   *sizes = WorkspaceSizes{};
   if (p.b == 0) return Status::Ok();
   DecodeShape own;
-  SPARSE_MLA_RETURN_IF_ERROR(dense_shape(p, fmt_of(format), device_index, &own));
+  SPARSE_MLA_RETURN_IF_ERROR(dense_shape(p, fmt_of(kv.format), device_index, &own));
+  SPARSE_MLA_RETURN_IF_ERROR(check_dense_tokens(p, kv.page_size));
   const Fmt m1[] = {Fmt::kModel1};
   const Fmt wide[] = {Fmt::kV32, Fmt::kBF16, Fmt::kFP16};
   const bool is_m1 = p.d_qk == kModel1NopeDims + kRopeDims;
@@ -223,18 +235,13 @@ Status dense_decode_plan(const DenseDecodeArgs& args, const DenseDecodeProblem& 
   DecodeShape s;
   SPARSE_MLA_RETURN_IF_ERROR(dense_shape(p, fmt_of(args.kv.format), args.q.device.index, &s));
   SPARSE_MLA_RETURN_IF_ERROR(check_workspace_fits(s, ws));
-  const int64_t max_tokens = p.max_pages * args.kv.page_size;
-  if (max_tokens > kMaxTokens) {
-    return Status::Unsupported("cuda dense decode: max_pages * page_size = " +
-                               std::to_string(max_tokens) + ", at most " +
-                               std::to_string(kMaxTokens) + " supported");
-  }
+  SPARSE_MLA_RETURN_IF_ERROR(check_dense_tokens(p, args.kv.page_size));
   PlanParams pp = plan_params(s, ws);
   pp.dense = 1;
   pp.s_q = static_cast<int32_t>(p.s_q);
   pp.seqlens = static_cast<const int32_t*>(args.cache_seqlens.data);
   pp.seqlens_stride = args.cache_seqlens.strides[0];
-  pp.max_tokens = max_tokens;
+  pp.max_tokens = p.max_pages * args.kv.page_size;
   return smxx::decode::launch_plan(pp, static_cast<cudaStream_t>(stream));
 }
 
@@ -244,11 +251,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p, co
   DecodeShape s;
   SPARSE_MLA_RETURN_IF_ERROR(dense_shape(p, fmt_of(args.kv.format), args.q.device.index, &s));
   SPARSE_MLA_RETURN_IF_ERROR(check_workspace_fits(s, ws));
-  if (p.max_pages * args.kv.page_size > kMaxTokens) {
-    return Status::Unsupported("cuda dense decode: max_pages * page_size = " +
-                               std::to_string(p.max_pages * args.kv.page_size) + ", at most " +
-                               std::to_string(kMaxTokens) + " supported");
-  }
+  SPARSE_MLA_RETURN_IF_ERROR(check_dense_tokens(p, args.kv.page_size));
   DecodeParams dp = decode_params(s, ws, args.q, args.out, args.lse, p.softmax_scale);
   dp.dense = 1;
   dp.causal = p.causal && p.s_q > 1 ? 1 : 0;
