@@ -95,6 +95,11 @@ def _explicit_stream(like: Any, stream: Any) -> Optional[int]:
     return None if stream is None else _arrays.stream_for(like, stream)
 
 
+def _first(parts: Any) -> Any:
+    """The first array of a sequence of parts, else the array itself."""
+    return parts[0] if isinstance(parts, (list, tuple)) else parts
+
+
 def _allocator(like: Any, stream: Optional[int] = None):
     return lambda nbytes: _arrays.empty(like, (nbytes,), "uint8", stream)
 
@@ -315,10 +320,11 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     +-inf is empty. The sink, if given, is applied once to the merged result. out
     ``[b, s_q, h_q, d_v]`` in `out_dtype` (default: the dtype of out_parts), lse ``[b, h_q, s_q]``.
     """
+    on = _explicit_stream(_first(out_parts), stream)
     if isinstance(out_parts, (list, tuple)):
-        out_parts = _arrays.stack(out_parts)
+        out_parts = _arrays.stack(out_parts, on)
     if isinstance(lse_parts, (list, tuple)):
-        lse_parts = _arrays.stack(lse_parts)
+        lse_parts = _arrays.stack(lse_parts, on)
     if _is_compiling():
         return _ops.merge_attention(out_parts, lse_parts, attn_sink=attn_sink, out=out, lse=lse,
                                     out_dtype=out_dtype, backend=backend)
@@ -326,7 +332,6 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     if len(shape) != 5:
         raise ValueError(f"out_parts: shape {list(shape)}, expected [n, b, s_q, h_q, d_v]")
     _, b, s_q, h_q, d_v = shape
-    on = _explicit_stream(out_parts, stream)
     if out is None:
         out = _arrays.empty(out_parts, (b, s_q, h_q, d_v),
                             out_dtype or _arrays.dtype_name(out_parts), on)

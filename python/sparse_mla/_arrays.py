@@ -4,8 +4,9 @@ arrays already come from it."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -99,32 +100,42 @@ def dtype_name(x: Any) -> str:
     return "bfloat16" if name == "uint16" else name
 
 
+def on_stream(like: Any, stream: Optional[int]) -> ContextManager[Any]:
+    """Makes `stream` (the cudaStream_t of an explicit ``stream=``) the current stream of the
+    library of `like` (torch, cupy), so that what it allocates or launches meanwhile belongs to
+    that stream: the caching allocators then reuse the memory only after that stream's work.
+    A no-op for ``stream=None``, host arrays and other libraries."""
+    fw = framework(like)
+    if stream is None or fw not in ("torch", "cupy"):
+        return contextlib.nullcontext()
+    if fw == "torch":
+        import torch
+
+        if like.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.default_stream(like.device) if stream == 0 else
+                                 torch.cuda.ExternalStream(stream, device=like.device))
+    import cupy
+
+    return cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream)
+
+
 def empty(like: Any, shape: Sequence[int], dtype: str, stream: Optional[int] = None) -> Any:
-    """Uninitialised array of the library of `like`, on its device. `stream`: the cudaStream_t of
-    an explicit ``stream=`` the array will be written on; torch and cupy then allocate it on that
-    stream, so that their caching allocators reuse the memory only after that stream's work."""
+    """Uninitialised array of the library of `like`, on its device (on `stream`: `on_stream`)."""
     fw = framework(like)
     shape = tuple(int(s) for s in shape)
     if fw == "torch":
         import torch
 
-        if stream is None or like.device.type != "cuda":
-            return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
-        on = (torch.cuda.default_stream(like.device) if stream == 0 else
-              torch.cuda.ExternalStream(stream, device=like.device))
-        with torch.cuda.stream(on):
+        with on_stream(like, stream):
             return torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
     if fw == "numpy":
         return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
     if fw == "cupy":
         import cupy
 
-        cupy_dtype = np.uint16 if dtype == "bfloat16" else dtype
-        with cupy.cuda.Device(like.device.id):
-            if stream is None:
-                return cupy.empty(shape, dtype=cupy_dtype)
-            with cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream):
-                return cupy.empty(shape, dtype=cupy_dtype)
+        with cupy.cuda.Device(like.device.id), on_stream(like, stream):
+            return cupy.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
     from . import _ext
 
     device_type, device_id = like.__dlpack_device__()
@@ -160,17 +171,19 @@ def lse_like(like: Any, b: int, s_q: int, h_q: int, stream: Optional[int] = None
     return transposed_12(empty(like, (b, s_q, h_q), "float32", stream))
 
 
-def stack(parts: Sequence[Any]) -> Any:
+def stack(parts: Sequence[Any], stream: Optional[int] = None) -> Any:
     first = parts[0]
     fw = framework(first)
     if fw == "torch":
         import torch
 
-        return torch.stack(list(parts))
+        with on_stream(first, stream):
+            return torch.stack(list(parts))
     if fw == "cupy":
         import cupy
 
-        return cupy.stack(list(parts))
+        with cupy.cuda.Device(first.device.id), on_stream(first, stream):
+            return cupy.stack(list(parts))
     if fw == "numpy":
         return np.stack([native(p) for p in parts]).view(first.dtype)
     raise TypeError("out_parts: a sequence of arrays must hold numpy, torch or cupy arrays; "

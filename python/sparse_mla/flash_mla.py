@@ -69,7 +69,8 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[Any, Any]:
     """``(FlashMLASchedMeta(), None)``; the plan is built by the first flash_mla_with_kvcache call.
 
     The older form ``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k,
-    num_heads_q=None, is_fp8_kvcache=False, topk=None)`` with a tensor `cache_seqlens` returns
+    num_heads_q=None, is_fp8_kvcache=False, topk=None)`` (the second argument also by its first
+    name, ``num_heads_per_head_k``) with a tensor `cache_seqlens` returns
     ``(tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [b + 1] int32)`` on its device,
     with FlashMLA's ``num_sm_parts = max(SMs // num_heads_k // ceil(num_q_tokens_per_head_k / 64),
     1)`` (1 on the CPU); pass them to flash_mla_with_kvcache as before (the plan is then rebuilt
@@ -78,6 +79,8 @@ def get_mla_metadata(*args, **kwargs) -> Tuple[Any, Any]:
     names = ("cache_seqlens", "num_q_tokens_per_head_k", "num_heads_k")
     given = dict(zip(names, args))
     given.update({name: kwargs[name] for name in names if name in kwargs})
+    if "num_heads_per_head_k" in kwargs:  # the original FlashMLA's name of the second argument
+        given.setdefault("num_q_tokens_per_head_k", kwargs["num_heads_per_head_k"])
     cache_seqlens = given.get("cache_seqlens")
     if cache_seqlens is None:
         return FlashMLASchedMeta(), None

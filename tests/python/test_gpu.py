@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import sparse_mla as sm  # noqa: E402
 import sparse_mla.flash_mla as flash_mla  # noqa: E402
 from reference import (BF16, MODEL1, V32, assert_close, bf16_bits_to_f64,  # noqa: E402
-                       dense_decode_ref, f32_to_bf16_bits, new_cache, random_q,
+                       dense_decode_ref, f32_to_bf16_bits, merge_ref, new_cache, random_q,
                        random_rows, sm_scale)
 from torch_util import reference_of, sparse_problem, t, t_bf16, t_cache, torch_kwargs  # noqa: E402
 
@@ -87,23 +87,41 @@ def test_runs_on_the_current_torch_stream():
     assert_close(out, lse, *reference_of(p))
 
 
-def test_explicit_stream_keeps_the_calls_own_allocations_on_it():
-    # The call's temporary plan and scratch are freed when it returns, while its kernels still
-    # wait on `side`; torch must not hand that memory to work on the current stream meanwhile.
+def test_explicit_stream_allocates_the_calls_arrays_on_it(monkeypatch):
+    # What a call with stream= allocates (results, its own plan and scratch, a merge's stacked
+    # parts) belongs to that stream, so torch's caching allocator reuses a freed temporary only
+    # after the call's kernels there, not for work on the current stream meanwhile.
     p = sparse_problem(410, b=2, s_q=2, h_q=64, topk=128, ps=64, pages=4, extra=(64, 2, 60))
     kw = gpu_kwargs(p)
     q, k_cache, indices = kw.pop("q"), kw.pop("k_cache"), kw.pop("indices")
-    sizes = sm.sparse_decode_workspace_size(q, k_cache, indices, **kw)
+    rng = np.random.default_rng(411)
+    parts = [torch.tensor(rng.normal(size=(2, 2, 8, 512)), dtype=torch.float32, device=DEV)
+             for _ in range(3)]
+    lses = [torch.tensor(rng.normal(size=(2, 2, 8)), dtype=torch.float32, device=DEV)
+            for _ in range(3)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # ~50 ms: the decode runs after the fills below
+    seen = []
+
+    def recording(real):
+        def call(*args, **kwargs):
+            seen.append(torch.cuda.current_stream().cuda_stream)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "empty", recording(torch.empty))
+    monkeypatch.setattr(torch, "stack", recording(torch.stack))
     out, lse = sm.sparse_decode(q, k_cache, indices, **kw, stream=side)
-    fills = [torch.full((n,), 0xFF, dtype=torch.uint8, device=DEV)
-             for n in (sizes.plan_bytes, sizes.scratch_bytes) for _ in range(4) if n > 0]
+    merged, merged_lse = sm.merge_attention(parts, lses, stream=side)
+    monkeypatch.undo()
     side.synchronize()
-    assert len(fills) > 0
+    assert len(seen) >= 7  # out, lse, plan, scratch; two stacks, merged out and lse
+    assert set(seen) == {side.cuda_stream}
     assert_close(out, lse, *reference_of(p))
+    ref_out, ref_lse = merge_ref(torch.stack(parts).cpu().numpy(),
+                                 torch.stack(lses).cpu().numpy())
+    np.testing.assert_allclose(merged.cpu().numpy(), ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(merged_lse.cpu().numpy(), ref_lse, rtol=1e-5, atol=1e-6)
 
 
 def test_cuda_graph_captures_planning_and_layers():

@@ -185,6 +185,9 @@ def test_flash_mla_explicit_metadata_form():
     assert_close(out, lse, *reference_of(p))
     meta, _ = flash_mla.get_mla_metadata(cache_seqlens=None)
     assert isinstance(meta, flash_mla.FlashMLASchedMeta)
+    tile_kw, _ = flash_mla.get_mla_metadata(cache_seqlens=cache_seqlens, num_heads_per_head_k=16,
+                                            num_heads_k=1)  # FlashMLA's first keyword names
+    assert tile_kw.shape == tile.shape
     with pytest.raises(ValueError, match="num_heads_k: 0"):
         flash_mla.get_mla_metadata(cache_seqlens, 16, 0)
     with pytest.raises(ValueError, match="num_q_tokens_per_head_k: None"):
