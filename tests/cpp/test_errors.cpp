@@ -288,6 +288,9 @@ TEST(ErrorCatalogue, MergeAndKVTools) {
   QuantizeStoreArgs bq = qs;
   bq.kv.format = KVFormat::kBF16;
   expect_error(quantize_store(bq, {}), {"quantize bf16", kBad, "kv: format BF16, expected MODEL1 or V32"});
+  bq.kv.format = static_cast<KVFormat>(9);
+  expect_error(quantize_store(bq, {}),
+               {"quantize format value", kBad, "kv: format value 9, expected MODEL1, V32, BF16 or FP16"});
   bq = qs;
   bq.src.shape[1] = 576;
   expect_error(quantize_store(bq, {}), {"quantize width", kBad, "src: shape [3, 576], expected [*, 512]"});
