@@ -207,4 +207,25 @@ inline std::vector<uint8_t> host_bytes(const ref::HostTensor& t) {
   return v;
 }
 
+// The support query, the workspace query and the run (sparse_* or dense_* entries) each refuse
+// `args` on the backend under test with a message containing `needle`: a limit of the kernels
+// must not pass the queries and then fail the run.
+template <typename Args>
+void expect_refused_by_every_query(const Args& args, const std::string& needle,
+                                   Status (*supported)(const Args&, const Options&, Backend*),
+                                   Status (*workspace_size)(const Args&, const Options&,
+                                                            WorkspaceSizes*),
+                                   Status (*run)(const Args&, const Workspace&, const Options&)) {
+  const Options options{gpu_test::gpu_backend_under_test()};
+  Backend chosen;
+  WorkspaceSizes sizes;
+  const Status statuses[] = {supported(args, options, &chosen),
+                             workspace_size(args, options, &sizes),
+                             run(args, Workspace{}, options)};
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.to_string();
+  }
+}
+
 }  // namespace sparse_mla::decode_test

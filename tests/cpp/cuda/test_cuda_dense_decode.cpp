@@ -17,6 +17,7 @@ namespace sparse_mla {
 namespace {
 
 using decode_test::DeviceDense;
+using decode_test::expect_refused_by_every_query;
 using decode_test::ScopedTiles;
 using decode_test::test_seed;
 using gpu_test::Stream;
@@ -237,17 +238,8 @@ TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
   a.cache_seqlens = TensorView::contiguous(seqlens.data(), DType::kInt32, dev, {1});
   a.out = TensorView::contiguous(out.data(), DType::kBFloat16, dev, {1, 1, 16, 512});
   a.lse = TensorView::contiguous(lse.data(), DType::kFloat32, dev, {1, 16, 1});
-  const Options options{gpu_test::gpu_backend_under_test()};
-  Backend chosen;
-  WorkspaceSizes sizes;
-  const Status statuses[] = {dense_decode_supported(a, options, &chosen),
-                             dense_decode_workspace_size(a, options, &sizes),
-                             dense_decode(a, Workspace{}, options)};
-  for (const Status& s : statuses) {
-    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
-    EXPECT_NE(s.message().find("max_pages * page_size = 2147483647"), std::string::npos)
-        << s.to_string();
-  }
+  expect_refused_by_every_query(a, "max_pages * page_size = 2147483647", dense_decode_supported,
+                                dense_decode_workspace_size, dense_decode);
 }
 
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {

@@ -20,6 +20,7 @@ namespace sparse_mla {
 namespace {
 
 using decode_test::DeviceSparse;
+using decode_test::expect_refused_by_every_query;
 using decode_test::ScopedTiles;
 using decode_test::test_seed;
 using gpu_test::Stream;
@@ -176,16 +177,8 @@ TEST(CudaSparseDecodeCorners, KernelLimitsReportedByEveryQuery) {
   a.indices = TensorView::contiguous(indices.data(), DType::kInt32, dev, {1, 1, topk});
   a.out = TensorView::strided(out.data(), DType::kBFloat16, dev, {1, 1, h_q, 512}, {0, 0, 0, 1});
   a.lse = TensorView::strided(lse.data(), DType::kFloat32, dev, {1, h_q, 1}, {0, 0, 0});
-  const Options options{gpu_test::gpu_backend_under_test()};
-  Backend chosen;
-  WorkspaceSizes sizes;
-  const Status statuses[] = {sparse_decode_supported(a, options, &chosen),
-                             sparse_decode_workspace_size(a, options, &sizes),
-                             sparse_decode(a, Workspace{}, options)};
-  for (const Status& s : statuses) {
-    EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
-    EXPECT_NE(s.message().find("row blocks"), std::string::npos) << s.to_string();
-  }
+  expect_refused_by_every_query(a, "row blocks", sparse_decode_supported,
+                                sparse_decode_workspace_size, sparse_decode);
 }
 
 TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
