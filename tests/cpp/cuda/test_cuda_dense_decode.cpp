@@ -221,8 +221,6 @@ void relink_pages(ref::DenseCase& c, uint64_t seed, const std::vector<TableEntry
   c.refresh_cache(rng);
 }
 
-// Block-table entries outside [0, num_pages) make their tokens absent and are never read;
-// requests with no token left give out 0 and lse +inf.
 // Token positions past the kernels' 32-bit limit (a page of 2^31-1 tokens in a cache of no pages)
 // are refused alike by the queries and the run.
 TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
@@ -242,6 +240,8 @@ TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
                                 dense_decode_workspace_size, dense_decode);
 }
 
+// Block-table entries outside [0, num_pages) make their tokens absent and are never read;
+// requests with no token left give out 0 and lse +inf.
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
   SKIP_WITHOUT_GPU();
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kModel1}) {
