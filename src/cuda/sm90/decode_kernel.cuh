@@ -212,6 +212,7 @@ struct Sm90Cta {
   using Cfg = Sm90Config<F, kRowsArg>;
   using Tr = FormatTraits<F>;
   static constexpr bool kHalf = Tr::kFP16;
+  static constexpr bool kPart16 = kRowsArg == 64 && sm90_fp16_partials(F);
   static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
   static constexpr int kChunks = Cfg::kDqk / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kRopeSrc = F == Fmt::kModel1 ? 28 : 33;  // rope chunks in a stored FP8 row
@@ -970,9 +971,10 @@ struct Sm90Cta {
   // shared-memory traffic, for thousands of cycles at every pair's end (sm90_notes.md,
   // variant 121). Every lane of the warp must call; `store` (the same in a quad) says whether
   // the quad's row is written.
+  // f16: fp16 values whatever the output's type (the fp16 partials).
   template <int kRegs>
   __device__ static void store_row_16bit(uint16_t* row, const float (&o)[kRegs], int rr,
-                                         float factor, int lane, bool store) {
+                                         float factor, int lane, bool store, bool f16) {
     static_assert(kRegs % 16 == 0, "whole groups of four 8-column blocks");
     const int q = lane & 3;
     const bool odd = q & 1, hi = q & 2;
@@ -982,7 +984,8 @@ struct Sm90Cta {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int e = 4 * (4 * g + c) + 2 * rr;
-        w[c] = ptx::pack2<kHalf>(o[e] * factor, o[e + 1] * factor);
+        const float v0 = o[e] * factor, v1 = o[e + 1] * factor;
+        w[c] = kHalf || f16 ? ptx::pack2<true>(v0, v1) : ptx::pack2<false>(v0, v1);
       }
       // Lanes q and q ^ 1 swap the blocks of the other one's parity: each then holds blocks
       // odd and odd + 2 for rows q and q ^ 1.
@@ -1005,7 +1008,14 @@ struct Sm90Cta {
   }
 
   // The thread's two rows of output dims [d0, d0 + 2 kRegs) of a pair, scaled by their factors:
-  // 16-bit output rows, or a split pair's fp32 partial rows. Every lane of the warp must call.
+  // 16-bit output rows, or a split pair's partial rows. Every lane of the warp must call.
+  //
+  // fp16 partials (FP8 pages, sm90_fp16_partials): a row's values of this lane are scaled by a
+  // power of two 2^-k that puts their largest magnitude in [2^14, 2^15), so that fp16 keeps 11
+  // bits of every value within 28 binades of it, and k (int8) goes to part_exp for the combine;
+  // the lane's own maximum needs no exchange. They leave through the output rows' store path,
+  // the type chosen per element: a second copy of that path for the partials made the attention
+  // kernel slower than fp32 partials (variant 152).
   template <int kRegs>
   __device__ void store_rows(const PairOut& po, int d0, int r_lo, int lane, const float (&o)[kRegs],
                              const float (&row_factor)[2]) const {
@@ -1014,7 +1024,7 @@ struct Sm90Cta {
     for (int rr = 0; rr < 2; ++rr) {
       const int r = r_lo + 8 * rr;
       const bool live = r < nrows;
-      if (po.split) {
+      if (po.split && !kPart16) {
         // fp32 partials: a float2 a lane and j already fills the quad's 32-byte sectors; the
         // exchange would cost more than the stores it saves (variant 121).
         if (!po.slot_ok || !live) continue;
@@ -1026,13 +1036,44 @@ struct Sm90Cta {
           *reinterpret_cast<float2*>(dst + j * 8) =
               make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
         }
-      } else if (__any_sync(0xffffffffu, live)) {  // the same for the warp
+        continue;
+      }
+      if (!__any_sync(0xffffffffu, live)) continue;  // the same for the warp
+      uint16_t* dst;
+      float factor = row_factor[rr];
+      bool store = live;
+      int8_t* exp_dst = nullptr;
+      int exp_k = 0;
+      if (kPart16 && po.split) {
+        const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
+        // max |v| in 4 independent chains (fmaxf drops NaN, which the factor keeps NaN).
+        constexpr int kChains = kRegs / 4 < 4 ? kRegs / 4 : 4;
+        float m[kChains];
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          const float v = fmaxf(fabsf(o[4 * j + 2 * rr]), fabsf(o[4 * j + 2 * rr + 1]));
+          m[j % kChains] = j < kChains ? v : fmaxf(m[j % kChains], v);
+        }
+#pragma unroll
+        for (int w = 1; w < kChains; w *= 2) {
+#pragma unroll
+          for (int j = 0; j + w < kChains; j += 2 * w) m[j] = fmaxf(m[j], m[j + w]);
+        }
+        // The scaled maximum in [2^e, 2^(e + 1)): k = e - 14, at least -126 so that 2^-k stays
+        // a float (zero and subnormal rows); inf and NaN give e = 128, k = 114.
+        exp_k = max((__float_as_int(m[0] * factor) >> 23) - 127 - 14, -126);
+        exp_dst = p.part_exp + prow * 8 + (d0 == 0 ? 0 : 4) + (lane & 3);
+        store = live && po.slot_ok;
+        dst = p.part_out16 + prow * kDV + d0;
+        factor *= __int_as_float((127 - exp_k) << 23);
+      } else {
         int s, head;
         row_coords(row0 + r, po.sq, &s, &head);
-        store_row_16bit(p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
-                            head * p.out_stride[2] + d0,
-                        o, rr, row_factor[rr], lane, live);
+        dst = p.out + po.i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] + d0;
       }
+      store_row_16bit(dst, o, rr, factor, lane, store, kPart16 && po.split);
+      // After the row's stores: before them, the exponent's address spilled registers.
+      if (exp_dst != nullptr && store) *exp_dst = static_cast<int8_t>(exp_k);
     }
   }
 

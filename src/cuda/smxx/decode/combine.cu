@@ -1,4 +1,5 @@
-// Combine: merges the fp32 partials of every split pair in a fixed order (deterministic),
+// Combine: merges the partials of every split pair (fp32, or fp16 with power-of-two exponents
+// from the Hopper kernel's 64-row CTAs on FP8 pages) in a fixed order (deterministic),
 // converts the base-2 lse to natural log and applies the sink once. The grid covers every pair
 // (which pairs are split is only known on the device); CTAs of unsplit pairs exit at once.
 //
@@ -13,11 +14,13 @@
 //
 // Launched as a programmatic dependent of the attention kernel (sm_90+): CTAs of unsplit pairs
 // exit without waiting, the others wait for the attention grid before reading its partials.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "src/cuda/common/check.h"
 #include "src/cuda/common/ptx.cuh"
@@ -51,10 +54,22 @@ constexpr int kNumLayouts = sizeof(kLayouts) / sizeof(kLayouts[0]);
 constexpr double kPartsPerWarp = 2.5;
 constexpr int64_t kMaxWideCtas = 512;
 
+// Four partial values from 8 bytes of fp16 ones.
+__device__ __forceinline__ float4 unpack4(uint2 v) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// 2^k for an exponent byte k of part_exp (-126 <= k <= 114).
+__device__ __forceinline__ float exp_byte(uint32_t word, int byte) {
+  return __int_as_float((127 + static_cast<int8_t>(word >> (8 * byte))) << 23);
+}
+
 // One row of the pair at place blockIdx.x of the cost line (pair info.id, split into n =
 // info.nsplit parts), dims block blockIdx.z: kW warps of the CTA, kU parts a batch (kU * kVec
 // float4 loads in flight per lane).
-template <bool kFP16, int kW, int kVec, int kU>
+template <bool kFP16, bool kPart16, int kW, int kVec, int kU>
 __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInfo& info, int row) {
   constexpr int kDims = 128 * kVec;
   static_assert(32 % kU == 0, "a batch never straddles a block of 32 weights");
@@ -68,19 +83,23 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   const int64_t first = (static_cast<int64_t>(info.slot) + g) * stride + (live ? row : 0);
   const float* lse_w = p.part_lse + first;
   const int64_t lse_step = kW * stride;
-  const float4* out_w =
-      reinterpret_cast<const float4*>(p.part_out + first * kDV + blockIdx.z * kDims) + lane;
-  const int64_t out_step = lse_step * (kDV / 4);
+  // Lane l's 4 values of each 128-dim block: one float4, or 8 bytes of fp16 partials.
+  using Raw = std::conditional_t<kPart16, uint2, float4>;
+  const int64_t out0 = first * kDV + blockIdx.z * kDims + 4 * lane;
+  const Raw* out_w = kPart16 ? reinterpret_cast<const Raw*>(p.part_out16 + out0)
+                             : reinterpret_cast<const Raw*>(p.part_out + out0);
+  const int64_t out_step = lse_step * (kDV / 4);  // in Raw
+  // fp16 partials: the 8 exponent bytes of a part's row (part_exp), two words.
+  const uint2* exp_w = reinterpret_cast<const uint2*>(p.part_exp) + first;
 
-  // Lane v*32 + lane of a part: coalesced 512-byte loads; loads past cnt are never issued.
-  float4 x[kU][kVec];
+  // Lane v*32 + lane of a part: coalesced loads; loads past cnt are never issued.
+  Raw x[kU][kVec];
   auto load_batch = [&](int j0) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
-        x[u][v] = j0 + u < cnt ? __ldcs(out_w + (j0 + u) * out_step + v * 32)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        x[u][v] = j0 + u < cnt ? __ldcs(out_w + (j0 + u) * out_step + v * 32) : Raw{};
       }
     }
   };
@@ -88,6 +107,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   // The first 32 lse of the warp's parts stay in the lanes; the first batch of partial rows is
   // requested before the max is known (it does not depend on it).
   const float l0 = lane < cnt ? lse_w[lane * lse_step] : -INFINITY;
+  uint2 k_lane = kPart16 && lane < cnt ? exp_w[lane * lse_step] : uint2{0, 0};
   load_batch(0);
   float mx = fmaxf(-INFINITY, l0);  // fmaxf drops NaN: NaN is tracked on its own
   bool nan = l0 != l0;
@@ -131,6 +151,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
         if ((j0 & 31) == 0) {
           const int j = j0 + lane;
           e_lane = j < cnt ? ptx::exp2_approx(lse_w[j * lse_step] - mx) : 0.f;
+          if constexpr (kPart16) k_lane = j < cnt ? exp_w[j * lse_step] : uint2{0, 0};
         }
         load_batch(j0);
       }
@@ -138,12 +159,32 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
       for (int u = 0; u < kU; ++u) {
         const float e = __shfl_sync(0xffffffffu, e_lane, (j0 + u) & 31);  // 0 past cnt
         w_sum += e;
+        uint32_t k0 = 0, k1 = 0;
+        if constexpr (kPart16) {
+          k0 = __shfl_sync(0xffffffffu, k_lane.x, (j0 + u) & 31);
+          k1 = __shfl_sync(0xffffffffu, k_lane.y, (j0 + u) & 31);
+        }
 #pragma unroll
         for (int v = 0; v < kVec; ++v) {
-          acc[v][0] += e * x[u][v].x;
-          acc[v][1] += e * x[u][v].y;
-          acc[v][2] += e * x[u][v].z;
-          acc[v][3] += e * x[u][v].w;
+          float ea = e, eb = e;
+          if constexpr (kPart16) {
+            // Dims 4 lane .. + 3 of the block came from quad lanes 2 (lane & 1) and the next one,
+            // of consumer 0 (dims < 128) or 1.
+            const uint32_t kw = blockIdx.z * kVec + v == 0 ? k0 : k1;
+            ea *= exp_byte(kw, 2 * (lane & 1));
+            eb *= exp_byte(kw, 2 * (lane & 1) + 1);
+          }
+          const float4 y = [&] {
+            if constexpr (kPart16) {
+              return unpack4(x[u][v]);
+            } else {
+              return x[u][v];
+            }
+          }();
+          acc[v][0] += ea * y.x;
+          acc[v][1] += ea * y.y;
+          acc[v][2] += eb * y.z;
+          acc[v][3] += eb * y.w;
         }
       }
     }
@@ -220,7 +261,7 @@ constexpr int combine_ctas_per_sm(int parts, int vec) { return parts * vec <= 8 
 
 // kRW rows a warp, one after the other. A combine's time is mostly waves of CTAs waiting on
 // their loads: on the H200 it grows with the number of CTAs.
-template <bool kFP16, int kW, int kVec, int kU, int kRW>
+template <bool kFP16, bool kPart16, int kW, int kVec, int kU, int kRW>
 __global__ void __launch_bounds__(kCombineThreads, combine_ctas_per_sm(kU, kVec))
     combine_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(kW == 1 || kRW == 1, "several rows a warp only without shared-memory sums");
@@ -233,11 +274,12 @@ __global__ void __launch_bounds__(kCombineThreads, combine_ctas_per_sm(kU, kVec)
   ptx::wait_primary_grids();
   const int warp = threadIdx.x >> 5;
   for (int rw = 0; rw < kRW; ++rw) {
-    combine_row<kFP16, kW, kVec, kU>(p, info, (blockIdx.y * kRW + rw) * kRows + warp / kW);
+    combine_row<kFP16, kPart16, kW, kVec, kU>(p, info,
+                                              (blockIdx.y * kRW + rw) * kRows + warp / kW);
   }
 }
 
-template <bool kFP16, int kW, int kVec, int kU, int kRW = 1>
+template <bool kFP16, bool kPart16, int kW, int kVec, int kU, int kRW = 1>
 cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params,
                           cudaStream_t stream) {
   constexpr int kRows = kCombineWarps / kW * kRW;
@@ -255,21 +297,21 @@ cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params,
   config.stream = stream;
   config.attrs = &attr;
   config.numAttrs = shape.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kW, kVec, kU, kRW>, params);
+  return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kPart16, kW, kVec, kU, kRW>, params);
 }
 
-template <bool kFP16>
+template <bool kFP16, bool kPart16>
 cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
                 cudaStream_t stream) {
   switch (layout) {
-    case 0: return launch_layout<kFP16, 8, 1, 16>(shape, params, stream);
-    case 1: return launch_layout<kFP16, 8, 2, 8>(shape, params, stream);
-    case 2: return launch_layout<kFP16, 8, 4, 4>(shape, params, stream);
-    case 3: return launch_layout<kFP16, 4, 4, 4>(shape, params, stream);
-    case 4: return launch_layout<kFP16, 2, 4, 4>(shape, params, stream);
-    case 5: return launch_layout<kFP16, 1, 4, 4>(shape, params, stream);
+    case 0: return launch_layout<kFP16, kPart16, 8, 1, 16>(shape, params, stream);
+    case 1: return launch_layout<kFP16, kPart16, 8, 2, 8>(shape, params, stream);
+    case 2: return launch_layout<kFP16, kPart16, 8, 4, 4>(shape, params, stream);
+    case 3: return launch_layout<kFP16, kPart16, 4, 4, 4>(shape, params, stream);
+    case 4: return launch_layout<kFP16, kPart16, 2, 4, 4>(shape, params, stream);
+    case 5: return launch_layout<kFP16, kPart16, 1, 4, 4>(shape, params, stream);
     default:
-      return launch_layout<kFP16, 1, 4, 2, 2>(shape, params, stream);
+      return launch_layout<kFP16, kPart16, 1, 4, 2, 2>(shape, params, stream);
   }
 }
 
@@ -309,8 +351,14 @@ int pick_layout(const DecodeShape& shape) {
 Status launch_combine(const DecodeShape& shape, const DecodeParams& params, bool fp16_out,
                       cudaStream_t stream) {
   const int layout = pick_layout(shape);
-  const cudaError_t err = fp16_out ? launch_fmt<true>(layout, shape, params, stream)
-                                   : launch_fmt<false>(layout, shape, params, stream);
+  cudaError_t err;
+  if (shape.part16) {
+    err = fp16_out ? launch_fmt<true, true>(layout, shape, params, stream)
+                   : launch_fmt<false, true>(layout, shape, params, stream);
+  } else {
+    err = fp16_out ? launch_fmt<true, false>(layout, shape, params, stream)
+                   : launch_fmt<false, false>(layout, shape, params, stream);
+  }
   if (err != cudaSuccess) return cuda_status(err, "sparse_mla decode combine");
   return check_launch("sparse_mla decode combine");
 }

@@ -116,6 +116,8 @@ DecodeParams decode_params(const DecodeShape& s, const Workspace& ws, const Tens
   dp.pairs = reinterpret_cast<const PairInfo*>(plan + s.plan.pairs_offset);
   auto* scratch = static_cast<uint8_t*>(ws.scratch);
   dp.part_out = reinterpret_cast<float*>(scratch);
+  dp.part_out16 = reinterpret_cast<uint16_t*>(scratch);
+  dp.part_exp = reinterpret_cast<int8_t*>(scratch + s.part_exp_offset);
   dp.part_lse = reinterpret_cast<float*>(scratch + s.part_lse_offset);
   dp.max_slots = s.max_slots;
   return dp;

@@ -75,6 +75,8 @@ struct DecodeShape {
   int max_slots = 0;
   PlanLayout plan;
   int64_t part_lse_offset = 0;  // in scratch, after the fp32 partial outputs
+  int64_t part_exp_offset = 0;  // in scratch, after the partial lse
+  bool part16 = false;  // fp16 partials with exponents (sm90_fp16_partials)
   size_t plan_bytes = 0;
   size_t scratch_bytes = 0;
 };

@@ -132,6 +132,11 @@ struct DecodeParams {
   const PartStart* parts;  // plan
   const PairInfo* pairs;
   float* part_out;  // [max_slots, rows_per_pair, 512] fp32 partial outputs (normalized)
+  // The same buffer as fp16 partials (the Hopper kernel's 64-row CTAs on FP8 pages), with
+  // part_exp [max_slots, rows_per_pair, 8]: value v of dim d was stored as v 2^-k, k the int8 at
+  // 4 (d >= 128) + (d / 2) % 4 (one exponent per row, consumer and lane of a quad).
+  uint16_t* part_out16;
+  int8_t* part_exp;
   float* part_lse;  // [max_slots, rows_per_pair] base-2 partial lse, -inf when empty
   int32_t max_slots;
 };
