@@ -212,7 +212,7 @@ struct Sm90Cta {
   using Cfg = Sm90Config<F, kRowsArg>;
   using Tr = FormatTraits<F>;
   static constexpr bool kHalf = Tr::kFP16;
-  static constexpr bool kPart16 = kRowsArg == 64 && sm90_fp16_partials(F);
+  static constexpr bool kPart16 = sm90_fp16_partials(F, kRowsArg);
   static constexpr int kT = Cfg::kT, kRows = Cfg::kRows;
   static constexpr int kChunks = Cfg::kDqk / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kRopeSrc = F == Fmt::kModel1 ? 28 : 33;  // rope chunks in a stored FP8 row

@@ -18,10 +18,13 @@ namespace sparse_mla::cuda::smxx::decode {
 enum class Fmt : int { kModel1 = 0, kV32 = 1, kBF16 = 2, kFP16 = 3 };
 inline constexpr int kNumFmts = 4;
 
-// Whether the Hopper kernel's 64-row CTAs write a split pair's partial rows in fp16 with
-// power-of-two exponents (half the bytes of fp32; sm90_notes.md, variant 152): on FP8 pages.
-// 16-bit pages keep fp32, where fp16 partials made the imbalanced h_q 16 batch 18% slower.
-constexpr bool sm90_fp16_partials(Fmt f) { return f == Fmt::kModel1 || f == Fmt::kV32; }
+// Whether the Hopper kernel's CTAs of rows_per_cta query rows write a split pair's partial rows
+// in fp16 with power-of-two exponents (half the bytes of fp32; sm90_notes.md, variant 152): its
+// 64-row CTAs on FP8 pages. 16-bit pages keep fp32, where fp16 partials made the imbalanced h_q
+// 16 batch 18% slower; the narrow CTAs write fp32.
+constexpr bool sm90_fp16_partials(Fmt f, int rows_per_cta) {
+  return rows_per_cta == 64 && (f == Fmt::kModel1 || f == Fmt::kV32);
+}
 
 template <Fmt F>
 struct FormatTraits;

@@ -254,7 +254,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   s.part_exp_offset = (s.part_lse_offset + part_rows * static_cast<int64_t>(sizeof(float)) + 15) /
                       16 * 16;
   s.scratch_bytes = static_cast<size_t>(s.part_exp_offset + part_rows * 8);
-  s.part16 = use_sm90 && k.rows_per_cta == 64 && sm90_fp16_partials(fmt);
+  s.part16 = use_sm90 && sm90_fp16_partials(fmt, k.rows_per_cta);
   *shape = s;
   return Status::Ok();
 }
