@@ -4,14 +4,17 @@
 // strided tensors, long lists split over many CTAs, every tile configuration, determinism.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "src/kv/format.h"
 #include "tests/cpp/cuda/decode_util.h"
 #include "tests/cpp/cuda/plan_util.h"
 #include "tests/cpp/sparse_cases.h"
@@ -291,6 +294,90 @@ TEST(CudaSparseDecodePlan, WholeListsInTheirOwnOrder) {
     reordered += plan_test::expect_valid_plan(plan_test::read_plan(ws.plan, b * 2));
   }
   EXPECT_GE(reordered, 1) << "no shape took the planner's own order";
+}
+
+// One output row with dims 2^30 apart in magnitude inside the dims that one lane of a CTA writes.
+// Split pairs of the Hopper backend's 64-row CTAs leave as fp16 partials, each lane's values
+// scaled by one power of two set by the largest (semantics.md, "Precision of split token lists").
+// Here every cached token holds exactly 1.0 in some dim blocks (MODEL1: blocks 0 and 2 of 64
+// dims, V32: block 1 of 128), which makes each lane's largest partial value 1 (the scores only
+// shift by a constant), and its small blocks (MODEL1: 1 and 3, V32: 2) 2^26 below their usual
+// ~0.1: their partial values fall into fp16's subnormal range and must come out within 2^-39 of
+// that largest value, beside the bf16 output's own rounding. Flushed to zero, they would not.
+TEST(CudaSparseDecodeCorners, OutputDimsFarApartInMagnitude) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kShift = 26;
+  constexpr uint8_t kE4m3One = 0x38, kUe8m0One = 127;
+  for (KVFormat format : {M1, V32}) {
+    // Lists of 14 (MODEL1) and 13 (V32) 48-token tiles over 4 row blocks: split on every backend.
+    ref::SparseCaseConfig cfg =
+        format == M1 ? sparse_cases::c1_layout_with_sink() : base(V32, 2, 2, 64, 600, 64);
+    cfg.seed = test_seed();
+    SCOPED_TRACE(std::string(format == M1 ? "MODEL1" : "V32") +
+                 " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    const int block_dims = format == M1 ? 64 : 128;
+    const std::vector<int> ones = format == M1 ? std::vector<int>{0, 2} : std::vector<int>{1};
+    const std::vector<int> small = format == M1 ? std::vector<int>{1, 3} : std::vector<int>{2};
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    for (ref::HostCache* cache : {&c.kv, &c.extra_kv}) {
+      if (!cache->defined()) continue;
+      const int64_t page_size = cache->config().page_size;
+      for (int64_t pg = 0; pg < cache->config().num_pages; ++pg) {
+        for (int64_t t = 0; t < page_size; ++t) {
+          if (format == M1) {
+            uint8_t* row = cache->page(pg) + fmt::model1_row_offset(t);
+            uint8_t* scales = cache->page(pg) + fmt::model1_scale_offset(page_size, t);
+            if (scales[0] == 0xff) continue;  // an unreferenced slot's NaN
+            for (int blk : ones) {
+              std::memset(row + blk * 64, kE4m3One, 64);
+              scales[blk] = kUe8m0One;
+            }
+            for (int blk : small) {
+              ASSERT_GT(scales[blk], kShift);
+              scales[blk] -= kShift;
+            }
+          } else {
+            uint8_t* row = cache->page(pg) + t * kV32BytesPerToken;
+            float* scales = reinterpret_cast<float*>(row + fmt::kV32ScaleOffset);
+            if (std::isnan(scales[0])) continue;  // an unreferenced slot's NaN
+            for (int blk : ones) {
+              std::memset(row + blk * 128, kE4m3One, 128);
+              scales[blk] = 1.f;
+            }
+            for (int blk : small) scales[blk] = std::ldexp(scales[blk], -kShift);
+          }
+        }
+      }
+    }
+    Stream stream;
+    DeviceSparse dev(c);
+    ASSERT_TRUE(decode_test::run_sparse(dev.args, stream));
+    c.poison_outputs();
+    dev.download(c);
+    check_outputs(c);
+    const ref::RefOutput r = ref::sparse_decode_reference(c.args());
+    double largest = 0;
+    int64_t above_bound = 0;  // small values that a flush to zero would get wrong
+    const double bound_abs = std::ldexp(1.0, -38);  // 2^-39 of a largest value below 2
+    for (int64_t i = 0; i < cfg.b; ++i) {
+      for (int64_t s = 0; s < cfg.s_q; ++s) {
+        for (int64_t h = 0; h < cfg.h_q; ++h) {
+          for (int blk : small) {
+            for (int64_t d = blk * block_dims; d < (blk + 1) * block_dims; ++d) {
+              const double want = r.out_at(i, s, h, d), got = c.out.get({i, s, h, d});
+              ASSERT_LE(std::fabs(got - want), std::ldexp(std::fabs(want), -8) + bound_abs)
+                  << "request " << i << " token " << s << " head " << h << " dim " << d;
+              largest = std::max(largest, std::fabs(want));
+              above_bound += std::fabs(want) > 16 * bound_abs;
+            }
+          }
+        }
+      }
+    }
+    // Subnormal once scaled (below 2^-14 of 2^14), and large enough to be told from zero.
+    EXPECT_LT(largest, std::ldexp(1.0, -28));
+    EXPECT_GT(above_bound, 0);
+  }
 }
 
 // Same inputs and plan give bitwise the same outputs; a fresh plan too.
