@@ -338,13 +338,15 @@ TEST(CudaSparseDecodeCorners, OutputDimsFarApartInMagnitude) {
             }
           } else {
             uint8_t* row = cache->page(pg) + t * kV32BytesPerToken;
-            float* scales = reinterpret_cast<float*>(row + fmt::kV32ScaleOffset);
+            float scales[4];
+            std::memcpy(scales, row + fmt::kV32ScaleOffset, sizeof(scales));
             if (std::isnan(scales[0])) continue;  // an unreferenced slot's NaN
             for (int blk : ones) {
               std::memset(row + blk * 128, kE4m3One, 128);
               scales[blk] = 1.f;
             }
             for (int blk : small) scales[blk] = std::ldexp(scales[blk], -kShift);
+            std::memcpy(row + fmt::kV32ScaleOffset, scales, sizeof(scales));
           }
         }
       }
