@@ -107,7 +107,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   // The first 32 lse of the warp's parts stay in the lanes; the first batch of partial rows is
   // requested before the max is known (it does not depend on it).
   const float l0 = lane < cnt ? lse_w[lane * lse_step] : -INFINITY;
-  uint2 k_lane = kPart16 && lane < cnt ? exp_w[lane * lse_step] : uint2{0, 0};
+  uint2 k0 = kPart16 && lane < cnt ? exp_w[lane * lse_step] : uint2{0, 0};
   load_batch(0);
   float mx = fmaxf(-INFINITY, l0);  // fmaxf drops NaN: NaN is tracked on its own
   bool nan = l0 != l0;
@@ -145,46 +145,62 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   for (int v = 0; v < kVec; ++v) acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
   float w_sum = 0.f;
   if (!nan && mx != -INFINITY) {
-    float e_lane = lane < cnt ? ptx::exp2_approx(l0 - mx) : 0.f;
+    // The weights of 32 parts at a time: lane j works out part j's into the warp's records,
+    // which every lane then reads by broadcast, a load a part. A record holds the weight e last
+    // (fp32 partials: alone). fp16 partials: dims 4 lane .. 4 lane + 3 of a 128-dim block came
+    // from quad lanes 2 (lane & 1) and the next one, under word 0 (dims < 128) or 1 of part_exp,
+    // so the record starts with e 2^k for word w's exponent of quad lane 2 p + b at 4 p + 2 w + b:
+    // the four a lane needs in one 16-byte load. Shuffled a part at a time, with the exponents
+    // taken apart in the loop, they made the fp16 combine 0.7-1.2 us slower than the fp32 one at
+    // 8 warps a row (H200; the compiler guarded each shuffle there with a divergence branch;
+    // sm90_notes.md, variant 157).
+    constexpr int kRec = kPart16 ? 12 : 1;
+    __shared__ __align__(16) float s_rec[kCombineWarps][32][kRec];
+    float(&rec)[32][kRec] = s_rec[warp];
+    auto weights = [&](int j0, float l, uint2 k) {
+      const float e = j0 + lane < cnt ? ptx::exp2_approx(l - mx) : 0.f;
+      __syncwarp();  // the records of the previous 32 parts have been read
+      if constexpr (kPart16) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          rec[lane][i] = e * exp_byte((i >> 1) & 1 ? k.y : k.x, 2 * (i >> 2) + (i & 1));
+        }
+      }
+      rec[lane][kRec - 1] = e;
+      __syncwarp();
+    };
+    weights(0, l0, k0);
     for (int j0 = 0; j0 < cnt; j0 += kU) {
       if (j0 > 0) {
         if ((j0 & 31) == 0) {
           const int j = j0 + lane;
-          e_lane = j < cnt ? ptx::exp2_approx(lse_w[j * lse_step] - mx) : 0.f;
-          if constexpr (kPart16) k_lane = j < cnt ? exp_w[j * lse_step] : uint2{0, 0};
+          weights(j0, j < cnt ? lse_w[j * lse_step] : -INFINITY,
+                  kPart16 && j < cnt ? exp_w[j * lse_step] : uint2{0, 0});
         }
         load_batch(j0);
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const float e = __shfl_sync(0xffffffffu, e_lane, (j0 + u) & 31);  // 0 past cnt
-        w_sum += e;
-        uint32_t k0 = 0, k1 = 0;
-        if constexpr (kPart16) {
-          k0 = __shfl_sync(0xffffffffu, k_lane.x, (j0 + u) & 31);
-          k1 = __shfl_sync(0xffffffffu, k_lane.y, (j0 + u) & 31);
-        }
+        const float* r = rec[(j0 + u) & 31];  // part j0 + u's weights, 0 past cnt
+        w_sum += r[kRec - 1];
 #pragma unroll
         for (int v = 0; v < kVec; ++v) {
-          float ea = e, eb = e;
           if constexpr (kPart16) {
-            // Dims 4 lane .. + 3 of the block came from quad lanes 2 (lane & 1) and the next one,
-            // of consumer 0 (dims < 128) or 1.
-            const uint32_t kw = blockIdx.z * kVec + v == 0 ? k0 : k1;
-            ea *= exp_byte(kw, 2 * (lane & 1));
-            eb *= exp_byte(kw, 2 * (lane & 1) + 1);
+            const float4 w = reinterpret_cast<const float4*>(r)[lane & 1];
+            const bool word0 = blockIdx.z * kVec + v == 0;
+            const float ea = word0 ? w.x : w.z, eb = word0 ? w.y : w.w;
+            const float4 y = unpack4(x[u][v]);
+            acc[v][0] += ea * y.x;
+            acc[v][1] += ea * y.y;
+            acc[v][2] += eb * y.z;
+            acc[v][3] += eb * y.w;
+          } else {
+            const float e = r[0];
+            acc[v][0] += e * x[u][v].x;
+            acc[v][1] += e * x[u][v].y;
+            acc[v][2] += e * x[u][v].z;
+            acc[v][3] += e * x[u][v].w;
           }
-          const float4 y = [&] {
-            if constexpr (kPart16) {
-              return unpack4(x[u][v]);
-            } else {
-              return x[u][v];
-            }
-          }();
-          acc[v][0] += ea * y.x;
-          acc[v][1] += ea * y.y;
-          acc[v][2] += eb * y.z;
-          acc[v][3] += eb * y.w;
         }
       }
     }
