@@ -1065,7 +1065,7 @@ struct Sm90Cta {
         exp_dst = p.part_exp + prow * 8 + (d0 == 0 ? 0 : 4) + (lane & 3);
         store = live && po.slot_ok;
         dst = p.part_out16 + prow * kDV + d0;
-        factor *= __int_as_float((127 - exp_k) << 23);
+        factor *= fmt::exp2i(-exp_k);
       } else {
         int s, head;
         row_coords(row0 + r, po.sq, &s, &head);

@@ -26,6 +26,7 @@
 #include "src/cuda/common/ptx.cuh"
 #include "src/cuda/smxx/decode/launch.h"
 #include "src/cuda/smxx/decode/params.h"
+#include "src/kv/format.h"
 
 namespace sparse_mla::cuda::smxx::decode {
 namespace {
@@ -63,7 +64,7 @@ __device__ __forceinline__ float4 unpack4(uint2 v) {
 
 // 2^k for an exponent byte k of part_exp (-126 <= k <= 114).
 __device__ __forceinline__ float exp_byte(uint32_t word, int byte) {
-  return __int_as_float((127 + static_cast<int8_t>(word >> (8 * byte))) << 23);
+  return fmt::exp2i(static_cast<int8_t>(word >> (8 * byte)));
 }
 
 // One row of the pair at place blockIdx.x of the cost line (pair info.id, split into n =
