@@ -317,10 +317,10 @@ cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params,
   return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kPart16, kW, kVec, kU, kRW>, params);
 }
 
-// fp16 partials at 128 dims a CTA take batches of 8 parts, which leave room for 3 CTAs an SM:
-// H200, dense MODEL1 h_q 128 b=1 (a pair split ~22 ways, 512 combine CTAs), the combine 5.6 us
-// against 7.4 with batches of 16 at 2 CTAs an SM (sm90_notes.md, variant 160). Smaller batches
-// at the other layouts were slower (163, 164), as were batches of 8 for fp32 partials (160b).
+// fp16 partials at 128 dims a CTA take batches of 8 parts: H200, dense MODEL1 h_q 128 b=1 (a
+// pair split ~22 ways, ~3 parts a warp), the combine 5.6 us against 7.4 with batches of 16, at 2
+// or 3 CTAs an SM alike (sm90_notes.md, variants 160, 166). Smaller batches at the other layouts
+// were slower (163, 164), as were batches of 8 for fp32 partials (160b).
 template <bool kFP16, bool kPart16>
 cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
                 cudaStream_t stream) {
