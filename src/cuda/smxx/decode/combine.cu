@@ -317,10 +317,11 @@ cudaError_t launch_layout(const DecodeShape& shape, const DecodeParams& params,
   return cudaLaunchKernelEx(&config, combine_kernel<kFP16, kPart16, kW, kVec, kU, kRW>, params);
 }
 
-// fp16 partials at 128 dims a CTA take batches of 8 parts: H200, dense MODEL1 h_q 128 b=1 (a
-// pair split ~22 ways, ~3 parts a warp), the combine 5.6 us against 7.4 with batches of 16, at 2
-// or 3 CTAs an SM alike (sm90_notes.md, variants 160, 166). Smaller batches at the other layouts
-// were slower (163, 164), as were batches of 8 for fp32 partials (160b).
+// fp16 partials at 128 dims a CTA take batches of 8 parts, which fit in 64 registers: 4 CTAs an
+// SM, so that a grid of 512 CTAs runs in one wave on the H200. There, dense MODEL1 h_q 128 b=1
+// (512 CTAs), the combine 5.6 us against 7.4 with batches of 16 (2 CTAs an SM; 3, forced, were
+// as slow: still two waves; sm90_notes.md, variants 160, 166). Smaller batches at the other
+// layouts were slower (163, 164), as were batches of 8 for fp32 partials (160b).
 template <bool kFP16, bool kPart16>
 cudaError_t launch_fmt(int layout, const DecodeShape& shape, const DecodeParams& params,
                 cudaStream_t stream) {
