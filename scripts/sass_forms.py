@@ -62,14 +62,16 @@ def demangle(names):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("objects", nargs="+")
-    ap.add_argument("-k", "--kernel", default="", help="only kernels whose name matches REGEX")
+    ap.add_argument("-k", "--kernel", default="", help="only kernels whose name (mangled or not) matches REGEX")
     args = ap.parse_args()
     tool = find_cuobjdump()
     print("%8s %6s %6s  %s" % ("instrs", "imad", "alu", "kernel"))
     for obj in args.objects:
         sass = subprocess.run([tool, "-sass", obj], check=True, capture_output=True, text=True).stdout
-        found = [(name, ops) for name, ops in kernels(sass) if re.search(args.kernel, name)]
-        for (_, ops), name in zip(found, demangle([name for name, _ in found])):
+        found = list(kernels(sass))
+        for (mangled, ops), name in zip(found, demangle([name for name, _ in found])):
+            if not (re.search(args.kernel, mangled) or re.search(args.kernel, name)):
+                continue
             imad = sum(op in IMAD_FORMS for op in ops)
             alu = sum(op in ALU_FORMS for op in ops)
             print("%8d %6d %6d  %s" % (len(ops), imad, alu, name))
