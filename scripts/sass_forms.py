@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 
+# VIADD counts with the IMAD forms: ptxas trades it for IADD3 as it trades IMAD.IADD.
 IMAD_FORMS = {"IMAD.MOV", "IMAD.MOV.U32", "IMAD.U32", "IMAD.SHL.U32", "IMAD.IADD", "VIADD"}
 ALU_FORMS = {"MOV", "IADD3", "SHF.L.U32"}
 
@@ -50,8 +51,13 @@ def kernels(sass):
         yield name, ops
 
 
+def count_forms(ops):
+    """(IMAD forms, ALU forms) among the opcodes."""
+    return sum(op in IMAD_FORMS for op in ops), sum(op in ALU_FORMS for op in ops)
+
+
 def demangle(names):
-    """Readable names where c++filt exists (CUtensorMap parameters and the like stay as they are)."""
+    """The names through c++filt where it exists, else as they are."""
     tool = shutil.which("c++filt")
     if not tool or not names:
         return names
@@ -62,18 +68,21 @@ def demangle(names):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("objects", nargs="+")
-    ap.add_argument("-k", "--kernel", default="", help="only kernels whose name (mangled or not) matches REGEX")
+    ap.add_argument("-k", "--kernel", default="",
+                    help="only kernels whose name (mangled or not) matches REGEX")
     args = ap.parse_args()
     tool = find_cuobjdump()
     print("%8s %6s %6s  %s" % ("instrs", "imad", "alu", "kernel"))
     for obj in args.objects:
-        sass = subprocess.run([tool, "-sass", obj], check=True, capture_output=True, text=True).stdout
+        run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit("sass_forms: cuobjdump -sass %s failed: %s" % (obj, run.stderr.strip()))
+        sass = run.stdout
         found = list(kernels(sass))
         for (mangled, ops), name in zip(found, demangle([name for name, _ in found])):
             if not (re.search(args.kernel, mangled) or re.search(args.kernel, name)):
                 continue
-            imad = sum(op in IMAD_FORMS for op in ops)
-            alu = sum(op in ALU_FORMS for op in ops)
+            imad, alu = count_forms(ops)
             print("%8d %6d %6d  %s" % (len(ops), imad, alu, name))
 
 

@@ -1,0 +1,37 @@
+"""scripts/sass_forms.py: its reading of cuobjdump's SASS listing (no cuobjdump needed)."""
+import importlib.util
+import pathlib
+
+_path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sass_forms.py"
+_spec = importlib.util.spec_from_file_location("sass_forms", _path)
+sass_forms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_forms)
+
+LISTING = """
+        code for sm_90a
+                Function : _Z1av
+        .headerflags    @"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
+                                                                             /* 0x000fe400078e00ff */
+        /*0010*/              @!P0 VIADD R2, R2, 0x1 ;
+        /*0020*/                   MOV R3, R4 ;
+        /*0030*/                   F2FP.F16.E4M3.UNPACK_B R5, R8 ;
+        /*10a0*/                   EXIT ;
+                Function : _Z1bv
+        /*0000*/              @UP1 IADD3 R2, R2, 0x1, RZ ;
+        /*0010*/                   SHF.L.U32 R3, R3, 0x7, RZ ;
+        /*0020*/                   IMAD.SHL.U32 R4, R4, 0x80, RZ ;
+"""
+
+
+def test_reads_each_function_and_its_opcodes():
+    found = dict(sass_forms.kernels(LISTING))
+    assert list(found) == ["_Z1av", "_Z1bv"]
+    assert found["_Z1av"] == ["IMAD.MOV.U32", "VIADD", "MOV", "F2FP.F16.E4M3.UNPACK_B", "EXIT"]
+    assert found["_Z1bv"] == ["IADD3", "SHF.L.U32", "IMAD.SHL.U32"]
+
+
+def test_counts_imad_and_alu_forms():
+    found = dict(sass_forms.kernels(LISTING))
+    assert sass_forms.count_forms(found["_Z1av"]) == (2, 1)
+    assert sass_forms.count_forms(found["_Z1bv"]) == (1, 2)
