@@ -71,6 +71,10 @@ def main():
     ap.add_argument("-k", "--kernel", default="",
                     help="only kernels whose name (mangled or not) matches REGEX")
     args = ap.parse_args()
+    try:
+        re.compile(args.kernel)
+    except re.error as e:
+        sys.exit("sass_forms: -k expects a regular expression, got %r (%s)" % (args.kernel, e))
     tool = find_cuobjdump()
     print("%8s %6s %6s  %s" % ("instrs", "imad", "alu", "kernel"))
     for obj in args.objects:

@@ -1,6 +1,10 @@
 """scripts/sass_forms.py: its reading of cuobjdump's SASS listing (no cuobjdump needed)."""
 import importlib.util
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 _path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sass_forms.py"
 _spec = importlib.util.spec_from_file_location("sass_forms", _path)
@@ -35,3 +39,23 @@ def test_counts_imad_and_alu_forms():
     found = dict(sass_forms.kernels(LISTING))
     assert sass_forms.count_forms(found["_Z1av"]) == (2, 1)
     assert sass_forms.count_forms(found["_Z1bv"]) == (1, 2)
+
+
+def _run(args, tool):
+    env = dict(os.environ, CUOBJDUMP=tool)
+    return subprocess.run([sys.executable, str(_path), *args], env=env, capture_output=True,
+                          text=True)
+
+
+def test_a_file_cuobjdump_cannot_read_is_a_clear_error(tmp_path):
+    obj = tmp_path / "not_cuda.txt"
+    obj.write_text("text")
+    run = _run([str(obj)], shutil.which("false"))
+    assert run.returncode != 0
+    assert "cuobjdump -sass %s failed" % obj in run.stderr
+
+
+def test_a_bad_kernel_regex_is_a_clear_error(tmp_path):
+    run = _run([str(tmp_path), "-k", "(unclosed"], shutil.which("true"))
+    assert run.returncode != 0
+    assert "-k expects a regular expression, got '(unclosed'" in run.stderr
