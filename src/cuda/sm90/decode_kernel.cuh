@@ -972,6 +972,11 @@ struct Sm90Cta {
   // variant 121). Every lane of the warp must call; `store` (the same in a quad) says whether
   // the quad's row is written.
   // f16: fp16 values whatever the output's type (the fp16 partials).
+  // Accumulator e of row rr (0 or 1, known at run time) of the thread's pairs: o[e + 2 rr].
+  template <int kRegs>
+  __device__ static float row_elem(const float (&o)[kRegs], int e, int rr) {
+    return rr ? o[e + 2] : o[e];
+  }
   template <int kRegs>
   __device__ static void store_row_16bit(uint16_t* row, const float (&o)[kRegs], int rr,
                                          float factor, int lane, bool store, bool f16) {
@@ -983,8 +988,8 @@ struct Sm90Cta {
       uint32_t w[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int e = 4 * (4 * g + c) + 2 * rr;
-        const float v0 = o[e] * factor, v1 = o[e + 1] * factor;
+        const int e = 4 * (4 * g + c);
+        const float v0 = row_elem(o, e, rr) * factor, v1 = row_elem(o, e + 1, rr) * factor;
         w[c] = kHalf || f16 ? ptx::pack2<true>(v0, v1) : ptx::pack2<false>(v0, v1);
       }
       // Lanes q and q ^ 1 swap the blocks of the other one's parity: each then holds blocks
@@ -1020,7 +1025,7 @@ struct Sm90Cta {
   __device__ void store_rows(const PairOut& po, int d0, int r_lo, int lane, const float (&o)[kRegs],
                              const float (&row_factor)[2]) const {
     // Padding rows (r >= nrows) take part in the quads' exchanges but store nothing.
-#pragma unroll
+#pragma unroll 1
     for (int rr = 0; rr < 2; ++rr) {
       const int r = r_lo + 8 * rr;
       const bool live = r < nrows;
@@ -1030,17 +1035,17 @@ struct Sm90Cta {
         if (!po.slot_ok || !live) continue;
         const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + r;
         float* dst = p.part_out + prow * kDV + d0 + 2 * (lane & 3);
-        const float factor = row_factor[rr];
+        const float factor = rr ? row_factor[1] : row_factor[0];
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
           *reinterpret_cast<float2*>(dst + j * 8) =
-              make_float2(o[4 * j + 2 * rr] * factor, o[4 * j + 2 * rr + 1] * factor);
+              make_float2(row_elem(o, 4 * j, rr) * factor, row_elem(o, 4 * j + 1, rr) * factor);
         }
         continue;
       }
       if (!__any_sync(0xffffffffu, live)) continue;  // the same for the warp
       uint16_t* dst;
-      float factor = row_factor[rr];
+      float factor = rr ? row_factor[1] : row_factor[0];
       bool store = live;
       int8_t* exp_dst = nullptr;
       int exp_k = 0;
@@ -1051,7 +1056,7 @@ struct Sm90Cta {
         float m[kChains];
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
-          const float v = fmaxf(fabsf(o[4 * j + 2 * rr]), fabsf(o[4 * j + 2 * rr + 1]));
+          const float v = fmaxf(fabsf(row_elem(o, 4 * j, rr)), fabsf(row_elem(o, 4 * j + 1, rr)));
           m[j % kChains] = j < kChains ? v : fmaxf(m[j % kChains], v);
         }
 #pragma unroll
@@ -1410,11 +1415,17 @@ struct Sm90Cta {
     const PairOut po = pair_out(cur, ps);
     float row_factor[2];
     if (d0 == 0) {
-#pragma unroll
+#pragma unroll 1
       for (int rr = 0; rr < 2; ++rr) {
         const int r = r_lo + 8 * rr;
-        row_factor[rr] = finish_row(m[rr], l[rr], r, po, (lane & 3) == 0, sink[rr]);
-        if ((lane & 3) == 0) factors[r] = row_factor[rr];
+        const float f = finish_row(rr ? m[1] : m[0], rr ? l[1] : l[0], r, po, (lane & 3) == 0,
+                                   rr ? sink[1] : sink[0]);
+        if (rr) {
+          row_factor[1] = f;
+        } else {
+          row_factor[0] = f;
+        }
+        if ((lane & 3) == 0) factors[r] = f;
       }
     }
     // Consumer 0 goes on at once: it writes the next factors only after consumer 1 has read
