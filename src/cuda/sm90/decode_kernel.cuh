@@ -1318,6 +1318,22 @@ struct Sm90Cta {
     }
   }
 
+  // v[j] for j known only at run time: selects keep v in registers, where indexing would move it
+  // to local memory.
+  template <int kN>
+  __device__ static float select(const float (&v)[kN], int j) {
+    float x = v[0];
+#pragma unroll
+    for (int k = 1; k < kN; ++k) x = j == k ? v[k] : x;
+    return x;
+  }
+  // Column jc's (run time) accumulator of rows rr of an 8-value block: o[4 (jc / 2) + 2 rr + jc % 2].
+  __device__ static float narrow_elem(const float (&ob)[8], int jc, int rr) {
+    const float lo = jc & 1 ? ob[2 * rr + 1] : ob[2 * rr];
+    const float hi = jc & 1 ? ob[4 + 2 * rr + 1] : ob[4 + 2 * rr];
+    return jc & 2 ? hi : lo;
+  }
+
   // Narrow: the pair's output. Consumer 0 (kD0 == 0) sums the rows' l over its warps, writes the
   // lse and each row's output factor; each consumer writes its dims [kD0, kD0 + 64 kBlocks).
   template <int kD0, int kBlocks>
@@ -1334,13 +1350,13 @@ struct Sm90Cta {
       }
       ptx::named_barrier(kNarrowBarrier, 128);
       if (warp == 0 && lane < 4) {
-#pragma unroll
+#pragma unroll 1
         for (int jc = 0; jc < kNarrowCols; ++jc) {
           const int n = narrow_col(lane, jc);
           float sum_l = narrow_sums(0)[n];
 #pragma unroll
           for (int w = 1; w < 4; ++w) sum_l += narrow_sums(w)[n];
-          factors[n] = finish_row(m[jc], sum_l, n, po, true, row_sink(n));
+          factors[n] = finish_row(select(m, jc), sum_l, n, po, true, row_sink(n));
         }
       }
       ptx::named_barrier(kNarrowBarrier, 128);  // warp 0's factors, for consumer 0's other warps
@@ -1348,26 +1364,33 @@ struct Sm90Cta {
     } else {
       ptx::named_barrier(kEpilogueBarrier, 256);
     }
+    // Row addresses once a row: the stores then differ by constant offsets.
+    const int dim0 = kD0 + 16 * warp + (lane >> 2);
 #pragma unroll
     for (int jc = 0; jc < kNarrowCols; ++jc) {
       const int n = narrow_col(lane, jc);
       if (n >= nrows) continue;
       const float factor = factors[n];
-      int s = 0, head = 0;
-      row_coords(row0 + n, po.sq, &s, &head);
-      const int64_t prow = static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + n;
+      if (po.split) {
+        if (!po.slot_ok) continue;
+        float* row = p.part_out +
+                     (static_cast<int64_t>(po.slot) * p.rows_per_pair + po.grow0 + n) * kDV + dim0;
 #pragma unroll
-      for (int bb = 0; bb < kBlocks; ++bb) {
+        for (int bb = 0; bb < kBlocks; ++bb) {
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int e = 4 * (jc >> 1) + 2 * rr + (jc & 1);
-          const int dim = kD0 + 64 * bb + 16 * warp + (lane >> 2) + 8 * rr;
-          const float v = o[bb][e] * factor;
-          if (po.split) {
-            if (po.slot_ok) p.part_out[prow * kDV + dim] = v;
-          } else {
-            p.out[po.i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] + dim] =
-                static_cast<uint16_t>(ptx::pack2<false>(v, 0.f));
+          for (int rr = 0; rr < 2; ++rr) row[64 * bb + 8 * rr] = narrow_elem(o[bb], jc, rr) * factor;
+        }
+      } else {
+        int s = 0, head = 0;
+        row_coords(row0 + n, po.sq, &s, &head);
+        uint16_t* row = p.out + po.i * p.out_stride[0] + s * p.out_stride[1] +
+                        head * p.out_stride[2] + dim0;
+#pragma unroll
+        for (int bb = 0; bb < kBlocks; ++bb) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const float v = narrow_elem(o[bb], jc, rr) * factor;
+            row[64 * bb + 8 * rr] = static_cast<uint16_t>(ptx::pack2<false>(v, 0.f));
           }
         }
       }
