@@ -983,31 +983,40 @@ struct Sm90Cta {
     static_assert(kRegs % 16 == 0, "whole groups of four 8-column blocks");
     const int q = lane & 3;
     const bool odd = q & 1, hi = q & 2;
+    // Two halves of the row in a loop, not unrolled: the code of a pair's end is fetched at every
+    // pair's end, and its size costs more time there than the selects.
+    constexpr int kHalves = (kRegs / 16) % 2 == 0 ? 2 : 1, kGroups = kRegs / 16 / kHalves;
+#pragma unroll 1
+    for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
-    for (int g = 0; g < kRegs / 16; ++g) {
-      uint32_t w[4];
+      for (int gh = 0; gh < kGroups; ++gh) {
+        const int g = gh + kGroups * h;
+        uint32_t w[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int e = 4 * (4 * g + c);
-        const float v0 = row_elem(o, e, rr) * factor, v1 = row_elem(o, e + 1, rr) * factor;
-        w[c] = kHalf || f16 ? ptx::pack2<true>(v0, v1) : ptx::pack2<false>(v0, v1);
-      }
-      // Lanes q and q ^ 1 swap the blocks of the other one's parity: each then holds blocks
-      // odd and odd + 2 for rows q and q ^ 1.
-      const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
-      const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
-      const uint32_t a = odd ? w[1] : w[0], b = odd ? w[3] : w[2];
-      // Lanes q and q ^ 2 swap what the other one's block needs: u[t] is then row q ^ t of
-      // block q.
-      const uint32_t s0 = __shfl_xor_sync(0xffffffffu, hi ? a : b, 2);
-      const uint32_t s1 = __shfl_xor_sync(0xffffffffu, hi ? r0 : r1, 2);
-      const uint32_t u[4] = {hi ? b : a, hi ? r1 : r0, s0, s1};
-      // Word k of the block is row k's: u[k ^ q].
-      const uint32_t x0 = odd ? u[1] : u[0], x1 = odd ? u[0] : u[1];
-      const uint32_t x2 = odd ? u[3] : u[2], x3 = odd ? u[2] : u[3];
-      if (store) {
-        *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) =
-            hi ? make_uint4(x2, x3, x0, x1) : make_uint4(x0, x1, x2, x3);
+        for (int c = 0; c < 4; ++c) {
+          const int e = 4 * (4 * gh + c);
+          const float y0 = h ? row_elem(o, e + kRegs / 2, rr) : row_elem(o, e, rr);
+          const float y1 = h ? row_elem(o, e + 1 + kRegs / 2, rr) : row_elem(o, e + 1, rr);
+          const float v0 = y0 * factor, v1 = y1 * factor;
+          w[c] = kHalf || f16 ? ptx::pack2<true>(v0, v1) : ptx::pack2<false>(v0, v1);
+        }
+        // Lanes q and q ^ 1 swap the blocks of the other one's parity: each then holds blocks
+        // odd and odd + 2 for rows q and q ^ 1.
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[1], 1);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? w[2] : w[3], 1);
+        const uint32_t a = odd ? w[1] : w[0], b = odd ? w[3] : w[2];
+        // Lanes q and q ^ 2 swap what the other one's block needs: u[t] is then row q ^ t of
+        // block q.
+        const uint32_t s0 = __shfl_xor_sync(0xffffffffu, hi ? a : b, 2);
+        const uint32_t s1 = __shfl_xor_sync(0xffffffffu, hi ? r0 : r1, 2);
+        const uint32_t u[4] = {hi ? b : a, hi ? r1 : r0, s0, s1};
+        // Word k of the block is row k's: u[k ^ q].
+        const uint32_t x0 = odd ? u[1] : u[0], x1 = odd ? u[0] : u[1];
+        const uint32_t x2 = odd ? u[3] : u[2], x3 = odd ? u[2] : u[3];
+        if (store) {
+          *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) =
+              hi ? make_uint4(x2, x3, x0, x1) : make_uint4(x0, x1, x2, x3);
+        }
       }
     }
   }
