@@ -963,6 +963,22 @@ struct Sm90Cta {
     }
   }
 
+  // The epilogues run their rows in loops (variant 173: at a pair's end the code's size costs more
+  // than the selects). v[j] for j known only at run time (the narrow rows' columns): selects keep
+  // v in registers, where indexing would move it to local memory.
+  template <int kN>
+  __device__ static float select(const float (&v)[kN], int j) {
+    float x = v[0];
+#pragma unroll
+    for (int k = 1; k < kN; ++k) x = j == k ? v[k] : x;
+    return x;
+  }
+  // Accumulator e of row rr (run time) of the thread's two rows: o[e + 2 rr].
+  template <int kRegs>
+  __device__ static float row_elem(const float (&o)[kRegs], int e, int rr) {
+    return rr ? o[e + 2] : o[e];
+  }
+
   // A 16-bit output row from the accumulator layout, where lane q of a quad holds columns
   // 8 j + 2 q and 8 j + 2 q + 1 of the quad's row for every j: the quad exchanges its words so
   // that lane q holds 8-column block 4 g + q of blocks 4 g .. 4 g + 3, and one 16-byte store a
@@ -972,19 +988,13 @@ struct Sm90Cta {
   // variant 121). Every lane of the warp must call; `store` (the same in a quad) says whether
   // the quad's row is written.
   // f16: fp16 values whatever the output's type (the fp16 partials).
-  // Accumulator e of row rr (0 or 1, known at run time) of the thread's pairs: o[e + 2 rr].
-  template <int kRegs>
-  __device__ static float row_elem(const float (&o)[kRegs], int e, int rr) {
-    return rr ? o[e + 2] : o[e];
-  }
   template <int kRegs>
   __device__ static void store_row_16bit(uint16_t* row, const float (&o)[kRegs], int rr,
                                          float factor, int lane, bool store, bool f16) {
     static_assert(kRegs % 16 == 0, "whole groups of four 8-column blocks");
     const int q = lane & 3;
     const bool odd = q & 1, hi = q & 2;
-    // Two halves of the row in a loop, not unrolled: the code of a pair's end is fetched at every
-    // pair's end, and its size costs more time there than the selects.
+    // The row's two halves in a loop (variant 173).
     constexpr int kHalves = (kRegs / 16) % 2 == 0 ? 2 : 1, kGroups = kRegs / 16 / kHalves;
 #pragma unroll 1
     for (int h = 0; h < kHalves; ++h) {
@@ -1327,16 +1337,8 @@ struct Sm90Cta {
     }
   }
 
-  // v[j] for j known only at run time: selects keep v in registers, where indexing would move it
-  // to local memory.
-  template <int kN>
-  __device__ static float select(const float (&v)[kN], int j) {
-    float x = v[0];
-#pragma unroll
-    for (int k = 1; k < kN; ++k) x = j == k ? v[k] : x;
-    return x;
-  }
-  // Column jc's (run time) accumulator of rows rr of an 8-value block: o[4 (jc / 2) + 2 rr + jc % 2].
+  // Column jc's (run time) accumulator in row half rr of an 8-value block:
+  // ob[4 (jc / 2) + 2 rr + jc % 2].
   __device__ static float narrow_elem(const float (&ob)[8], int jc, int rr) {
     const float lo = jc & 1 ? ob[2 * rr + 1] : ob[2 * rr];
     const float hi = jc & 1 ? ob[4 + 2 * rr + 1] : ob[4 + 2 * rr];
@@ -1387,7 +1389,9 @@ struct Sm90Cta {
 #pragma unroll
         for (int bb = 0; bb < kBlocks; ++bb) {
 #pragma unroll
-          for (int rr = 0; rr < 2; ++rr) row[64 * bb + 8 * rr] = narrow_elem(o[bb], jc, rr) * factor;
+          for (int rr = 0; rr < 2; ++rr) {
+            row[64 * bb + 8 * rr] = narrow_elem(o[bb], jc, rr) * factor;
+          }
         }
       } else {
         int s = 0, head = 0;
