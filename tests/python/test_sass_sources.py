@@ -1,4 +1,4 @@
-"""scripts/sass_sources.py: its reading of sources and of nvdisasm's listing (no nvdisasm needed)."""
+"""scripts/sass_sources.py: how it reads sources and nvdisasm's listing (no nvdisasm needed)."""
 import importlib.util
 import pathlib
 import subprocess
