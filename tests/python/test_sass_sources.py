@@ -96,3 +96,10 @@ def test_an_unreadable_object_is_a_clear_error(tmp_path):
     run = _run([str(missing)])
     assert run.returncode != 0
     assert "cannot read %s" % missing in run.stderr
+
+
+def test_bad_depth_or_top_is_a_clear_error(tmp_path):
+    for flags in (["--depth", "-1"], ["--top", "0"]):
+        run = _run([str(tmp_path / "x.cubin"), *flags])
+        assert run.returncode != 0
+        assert "--depth expects N >= 0 and --top N >= 1" in run.stderr
