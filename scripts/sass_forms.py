@@ -23,15 +23,24 @@ IMAD_FORMS = {"IMAD.MOV", "IMAD.MOV.U32", "IMAD.U32", "IMAD.SHL.U32", "IMAD.IADD
 ALU_FORMS = {"MOV", "IADD3", "SHF.L.U32"}
 
 
-def find_cuobjdump():
-    path = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+def find_tool(name, env, caller):
+    """The path of a CUDA binary tool: $env, else PATH, else the one in the triton wheel."""
+    path = os.environ.get(env) or shutil.which(name)
     if path:
         return path
     try:
-        import triton  # its wheel ships cuobjdump
+        import triton  # its wheel ships cuobjdump and nvdisasm
     except ImportError:
-        sys.exit("sass_forms: cuobjdump not found (set CUOBJDUMP or pip install triton)")
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sys.exit("%s: %s not found (set %s or pip install triton)" % (caller, name, env))
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def kernel_pattern(text, caller):
+    """The -k argument compiled, or a clear error."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        sys.exit("%s: -k expects a regular expression, got %r (%s)" % (caller, text, e))
 
 
 def kernels(sass):
@@ -71,11 +80,8 @@ def main():
     ap.add_argument("-k", "--kernel", default="",
                     help="only kernels whose name (mangled or not) matches REGEX")
     args = ap.parse_args()
-    try:
-        re.compile(args.kernel)
-    except re.error as e:
-        sys.exit("sass_forms: -k expects a regular expression, got %r (%s)" % (args.kernel, e))
-    tool = find_cuobjdump()
+    pattern = kernel_pattern(args.kernel, "sass_forms")
+    tool = find_tool("cuobjdump", "CUOBJDUMP", "sass_forms")
     print("%8s %6s %6s  %s" % ("instrs", "imad", "alu", "kernel"))
     for obj in args.objects:
         run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
@@ -84,7 +90,7 @@ def main():
         sass = run.stdout
         found = list(kernels(sass))
         for (mangled, ops), name in zip(found, demangle([name for name, _ in found])):
-            if not (re.search(args.kernel, mangled) or re.search(args.kernel, name)):
+            if not (pattern.search(mangled) or pattern.search(name)):
                 continue
             imad, alu = count_forms(ops)
             print("%8d %6d %6d  %s" % (len(ops), imad, alu, name))

@@ -19,27 +19,18 @@ import collections
 import glob
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_forms import find_tool, kernel_pattern  # noqa: E402
 
 EM_CUDA = 190  # ELF e_machine of a cubin
 HEAD = re.compile(r"(?:__device__|__global__)\s[^;{]*?\b((?!__launch_bounds__\b)\w+)\s*\(")
 FRAME = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+\S")
 SECTION = re.compile(r"^\.text\.(\S+):")
-
-
-def find_tool(name, env):
-    path = os.environ.get(env) or shutil.which(name)
-    if path:
-        return path
-    try:
-        import triton  # its wheel ships nvdisasm and cuobjdump
-    except ImportError:
-        sys.exit("sass_sources: %s not found (set %s or pip install triton)" % (name, env))
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def function_heads(source):
@@ -121,7 +112,7 @@ def cubins(obj, workdir):
         sys.exit("sass_sources: cannot read %s (%s)" % (obj, e.strerror))
     if head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == EM_CUDA:
         return [obj]
-    run = subprocess.run([find_tool("cuobjdump", "CUOBJDUMP"), "-xelf", "all",
+    run = subprocess.run([find_tool("cuobjdump", "CUOBJDUMP", "sass_sources"), "-xelf", "all",
                           os.path.abspath(obj)], cwd=workdir, capture_output=True, text=True)
     found = sorted(glob.glob(os.path.join(workdir, "*.cubin")))
     if run.returncode != 0 or not found:
@@ -138,16 +129,13 @@ def main():
                     help="cut chains after N functions (0: whole chains)")
     ap.add_argument("--top", type=int, default=30, help="chains listed a kernel (default 30)")
     args = ap.parse_args()
-    try:
-        pattern = re.compile(args.kernel)
-    except re.error as e:
-        sys.exit("sass_sources: -k expects a regular expression, got %r (%s)" % (args.kernel, e))
+    pattern = kernel_pattern(args.kernel, "sass_sources")
     if args.depth < 0 or args.top < 1:
         sys.exit("sass_sources: --depth expects N >= 0 and --top N >= 1, got %d and %d" %
                  (args.depth, args.top))
     with tempfile.TemporaryDirectory() as workdir:
         found = cubins(args.object, workdir)
-        nvdisasm = find_tool("nvdisasm", "NVDISASM")
+        nvdisasm = find_tool("nvdisasm", "NVDISASM", "sass_sources")
         for cubin in found:
             run = subprocess.run([nvdisasm, "-gi", cubin], capture_output=True, text=True)
             if run.returncode != 0:

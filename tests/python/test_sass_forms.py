@@ -59,3 +59,12 @@ def test_a_bad_kernel_regex_is_a_clear_error(tmp_path):
     run = _run([str(tmp_path), "-k", "(unclosed"], shutil.which("true"))
     assert run.returncode != 0
     assert "-k expects a regular expression, got '(unclosed'" in run.stderr
+
+
+def test_a_missing_tool_names_the_ways_to_supply_it(tmp_path):
+    # -S: no site packages, so no triton wheel to fall back on; an empty PATH finds no cuobjdump.
+    env = dict(os.environ, CUOBJDUMP="", PATH=str(tmp_path))
+    run = subprocess.run([sys.executable, "-S", str(_path), str(tmp_path)], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "sass_forms: cuobjdump not found (set CUOBJDUMP or pip install triton)" in run.stderr

@@ -1,5 +1,6 @@
 """scripts/sass_sources.py: how it reads sources and nvdisasm's listing (no nvdisasm needed)."""
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -103,3 +104,14 @@ def test_bad_depth_or_top_is_a_clear_error(tmp_path):
         run = _run([str(tmp_path / "x.cubin"), *flags])
         assert run.returncode != 0
         assert "--depth expects N >= 0 and --top N >= 1" in run.stderr
+
+
+def test_a_missing_tool_names_the_ways_to_supply_it(tmp_path):
+    obj = tmp_path / "host_only.o"
+    obj.write_bytes(b"not a cubin")
+    # -S: no site packages, so no triton wheel to fall back on; an empty PATH finds no cuobjdump.
+    env = dict(os.environ, CUOBJDUMP="", PATH=str(tmp_path))
+    run = subprocess.run([sys.executable, "-S", str(_path), str(obj)], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "sass_sources: cuobjdump not found (set CUOBJDUMP or pip install triton)" in run.stderr
