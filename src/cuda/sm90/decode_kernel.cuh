@@ -1378,7 +1378,7 @@ struct Sm90Cta {
     }
     // Row addresses once a row: the stores then differ by constant offsets.
     const int dim0 = kD0 + 16 * warp + (lane >> 2);
-#pragma unroll 1
+#pragma unroll
     for (int jc = 0; jc < kNarrowCols; ++jc) {
       const int n = narrow_col(lane, jc);
       if (n >= nrows) continue;
