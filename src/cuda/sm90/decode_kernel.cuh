@@ -964,9 +964,10 @@ struct Sm90Cta {
   }
 
   // The epilogues run their rows in loops, not unrolled: the smaller code made the narrow and
-  // 16-bit kernels faster, selects included (variant 173). v[j] for j known only at run time (the
-  // narrow rows' columns): selects keep v in registers, where indexing would move it to local
-  // memory.
+  // 16-bit kernels faster, selects included (variant 173); only the narrow stores, whose row
+  // addresses are worked out once a row, read faster unrolled. v[j] for j known only at run time
+  // (the narrow rows' columns): selects keep v in registers, where indexing would move it to
+  // local memory.
   template <int kN>
   __device__ static float select(const float (&v)[kN], int j) {
     float x = v[0];
