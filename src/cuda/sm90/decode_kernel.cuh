@@ -1339,8 +1339,7 @@ struct Sm90Cta {
     }
   }
 
-  // Column jc's (run time) accumulator in row half rr of an 8-value block:
-  // ob[4 (jc / 2) + 2 rr + jc % 2].
+  // Column jc's accumulator in row half rr of an 8-value block: ob[4 (jc / 2) + 2 rr + jc % 2].
   __device__ static float narrow_elem(const float (&ob)[8], int jc, int rr) {
     const float lo = jc & 1 ? ob[2 * rr + 1] : ob[2 * rr];
     const float hi = jc & 1 ? ob[4 + 2 * rr + 1] : ob[4 + 2 * rr];
