@@ -1339,11 +1339,10 @@ struct Sm90Cta {
     }
   }
 
-  // Column jc's accumulator in row half rr of an 8-value block: ob[4 (jc / 2) + 2 rr + jc % 2].
-  __device__ static float narrow_elem(const float (&ob)[8], int jc, int rr) {
-    const float lo = jc & 1 ? ob[2 * rr + 1] : ob[2 * rr];
-    const float hi = jc & 1 ? ob[4 + 2 * rr + 1] : ob[4 + 2 * rr];
-    return jc & 2 ? hi : lo;
+  // Where column jc's accumulator of row half rr lies in an 8-value block (jc known at compile
+  // time: the store loop is unrolled).
+  __device__ static constexpr int narrow_reg(int jc, int rr) {
+    return 4 * (jc >> 1) + 2 * rr + (jc & 1);
   }
 
   // Narrow: the pair's output. Consumer 0 (kD0 == 0) sums the rows' l over its warps, writes the
@@ -1391,7 +1390,7 @@ struct Sm90Cta {
         for (int bb = 0; bb < kBlocks; ++bb) {
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
-            row[64 * bb + 8 * rr] = narrow_elem(o[bb], jc, rr) * factor;
+            row[64 * bb + 8 * rr] = o[bb][narrow_reg(jc, rr)] * factor;
           }
         }
       } else {
@@ -1403,7 +1402,7 @@ struct Sm90Cta {
         for (int bb = 0; bb < kBlocks; ++bb) {
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
-            const float v = narrow_elem(o[bb], jc, rr) * factor;
+            const float v = o[bb][narrow_reg(jc, rr)] * factor;
             row[64 * bb + 8 * rr] = static_cast<uint16_t>(ptx::pack2<false>(v, 0.f));
           }
         }
