@@ -209,10 +209,11 @@ def flash_mla_with_kvcache(
                             extra_indices_in_kvcache)
         if not first:
             _check_config(meta, config)
-    if not uses_meta or first:
-        _check_request(k_cache, head_dim_v, causal, is_fp8_kvcache, block_table, cache_seqlens,
-                       indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
-                       extra_topk_length)
+    # Every call, a reused plan's too: the config leaves out arguments (attn_sink, head_dim_v)
+    # that dense decode would otherwise drop or take silently.
+    _check_request(k_cache, head_dim_v, causal, is_fp8_kvcache, block_table, cache_seqlens,
+                   indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                   extra_topk_length)
     result = _decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, indices,
                      attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
                      extra_topk_length, meta if uses_meta else None)

@@ -172,6 +172,23 @@ def test_flash_mla_dense(causal):
                                              causal=causal), dense=True)
 
 
+def test_flash_mla_reused_metadata_still_checks_the_arguments():
+    rng = np.random.default_rng(41)
+    cache = new_cache(BF16, 3, 64)
+    cache.buf.view(np.uint16)[...] = random_q(rng, cache.buf.shape)
+    bt, seqlens = t(np.array([[2], [0]], np.int32)), t(np.array([50, 9], np.int32))
+    q = t_bf16(random_q(rng, (2, 1, 8, 576)))
+    meta, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(q, t_cache(cache), bt, seqlens, 512, meta)
+    assert meta.have_initialized
+    # Neither argument is part of the plan's config; dense decode must not drop the sink silently.
+    with pytest.raises(ValueError, match="attn_sink: given without indices"):
+        flash_mla.flash_mla_with_kvcache(q, t_cache(cache), bt, seqlens, 512, meta,
+                                         attn_sink=torch.zeros(8))
+    with pytest.raises(ValueError, match="head_dim_v: 576"):
+        flash_mla.flash_mla_with_kvcache(q, t_cache(cache), bt, seqlens, 576, meta)
+
+
 def test_flash_mla_explicit_metadata_form():
     p = sparse_problem(41, lengths=False, sink=False)
     kw = torch_kwargs(p)
