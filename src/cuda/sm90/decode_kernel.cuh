@@ -188,7 +188,7 @@ struct TileCursor {
   }
 
   __device__ void init(const DecodeParams& p, int part, PartStart end) {
-    const PartStart begin = p.parts[part];
+    const PartStart begin = part_begin(p, part);
     pr = begin.pair;
     // A part with no tile leaves the tile fields unset in enter(), but batches read them.
     k = k0 = k1 = seg = n_main = len = id = 0;

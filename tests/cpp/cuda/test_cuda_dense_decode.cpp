@@ -5,6 +5,7 @@
 // configuration, determinism.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -242,6 +243,42 @@ TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
 
 // Block-table entries outside [0, num_pages) make their tokens absent and are never read;
 // requests with no token left give out 0 and lse +inf.
+// The plan of a larger call (more requests, longer ones, a wider block table) used for a smaller
+// one: the kernels hold its lengths to the call's block table and its ids to the call's requests
+// (values wrong, no access outside: memcheck in gpu_check's subset sees the reads; the outputs'
+// second half, past the call's requests, must stay poisoned).
+TEST(CudaDenseDecodeCorners, PlanOfALargerCallStaysInBounds) {
+  SKIP_WITHOUT_GPU();
+  ref::DenseCaseConfig big_cfg = base(KVFormat::kBF16, 4, 2, 16, 1, 32, {700, 500, 300, 650});
+  big_cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(big_cfg.seed));
+  ref::DenseCase big = ref::make_dense_case(big_cfg);
+  ref::DenseCaseConfig small_cfg = base(KVFormat::kBF16, 2, 2, 16, 1, 32, {40, 60});
+  small_cfg.seed = big_cfg.seed + 1;
+  ref::DenseCase small = ref::make_dense_case(small_cfg);
+  DeviceDense db(big), ds(small);
+  DenseDecodeArgs run = ds.args;
+  run.out = db.args.out;
+  run.out.shape[0] = 2;
+  run.lse = db.args.lse;
+  run.lse.shape[0] = 2;
+  Stream stream;
+  const Options o = stream.options();
+  WorkspaceSizes sizes;
+  ASSERT_TRUE(dense_decode_workspace_size(db.args, o, &sizes).ok());
+  decode_test::DeviceWorkspace ws(sizes);
+  db.poison_outputs();
+  ASSERT_TRUE(dense_decode_plan(db.args, ws.ws, o).ok());
+  const Status st = dense_decode(run, ws.ws, o);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(stream.sync());
+  for (const gpu_test::DeviceTensor* t : {&db.out, &db.lse}) {
+    const std::vector<uint8_t> v = t->buffer.to_vector<uint8_t>();
+    EXPECT_TRUE(std::all_of(v.begin() + v.size() / 2, v.end(), [](uint8_t x) { return x == 0xff; }))
+        << (t == &db.out ? "out" : "lse") << " written past the call's 2 requests";
+  }
+}
+
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
   SKIP_WITHOUT_GPU();
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kModel1}) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -259,6 +260,85 @@ TEST(CudaSparseDecodeCorners, AdversarialIndicesStayInBounds) {
     ref::Rng rng(cfg.seed + 1);
     c.refresh_cache(rng);
     check_case(c);
+  }
+}
+
+// A plan the run cannot check (made for other shapes, or overwritten) gives wrong values but never
+// an access outside the call's tensors: the kernels hold its pair places, ids and lengths to the
+// call's own shapes. The run's out / lse are the first half of larger poisoned buffers, whose
+// second half must stay untouched; compute-sanitizer's memcheck (gpu_check's subset) sees the
+// reads.
+TEST(CudaSparseDecodeCorners, ForeignOrGarbagePlanStaysInBounds) {
+  SKIP_WITHOUT_GPU();
+  const Options o{gpu_test::gpu_backend_under_test()};
+  ref::SparseCaseConfig big_cfg = with_extra(base(M1, 6, 2, 16, 96, 53), 40, 2);
+  big_cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(big_cfg.seed));
+  ref::SparseCase big = ref::make_sparse_case(big_cfg);
+  ref::SparseCaseConfig small_cfg = base(M1, 3, 2, 16, 20, 53);
+  small_cfg.seed = big_cfg.seed + 1;
+  ref::SparseCase small = ref::make_sparse_case(small_cfg);
+  DeviceSparse db(big), ds(small);
+  // The small run writes into the first b = 3 of the big outputs' 6 requests.
+  SparseDecodeArgs run = ds.args;
+  run.out = db.args.out;
+  run.out.shape[0] = 3;
+  run.lse = db.args.lse;
+  run.lse.shape[0] = 3;
+  WorkspaceSizes sizes;
+  ASSERT_TRUE(sparse_decode_workspace_size(db.args, o, &sizes).ok());
+  decode_test::DeviceWorkspace ws(sizes);
+  const auto untouched = [&](const char* what) {
+    const std::vector<uint8_t> out = db.out.buffer.to_vector<uint8_t>();
+    const std::vector<uint8_t> lse = db.lse.buffer.to_vector<uint8_t>();
+    EXPECT_TRUE(std::all_of(out.begin() + out.size() / 2, out.end(),
+                            [](uint8_t v) { return v == 0xff; }))
+        << what << ": out written past the call's 3 requests";
+    EXPECT_TRUE(std::all_of(lse.begin() + lse.size() / 2, lse.end(),
+                            [](uint8_t v) { return v == 0xff; }))
+        << what << ": lse written past the call's 3 requests";
+  };
+  Stream stream;
+  const Options so = stream.options();
+  // The plan of the larger call (more requests, a longer main list, an extra cache).
+  db.poison_outputs();
+  ASSERT_TRUE(sparse_decode_plan(db.args, ws.ws, so).ok());
+  Status st = sparse_decode(run, ws.ws, so);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(stream.sync());
+  untouched("the plan of a larger call");
+  // Plans overwritten with bytes that make every field negative, huge, or random.
+  std::mt19937 rng(static_cast<uint32_t>(big_cfg.seed));
+  for (int fill : {0xff, 0x7f, -1}) {
+    SCOPED_TRACE("plan bytes " + std::to_string(fill));
+    std::vector<uint8_t> garbage(sizes.plan_bytes);
+    for (uint8_t& v : garbage) v = static_cast<uint8_t>(fill >= 0 ? fill : rng());
+    ws.plan.upload(garbage.data(), garbage.size());
+    db.poison_outputs();
+    st = sparse_decode(run, ws.ws, so);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(stream.sync());
+    untouched("a garbage plan");
+  }
+}
+
+// The plan and the scratch must be separate memory: the kernels write partials into scratch while
+// other CTAs read the plan.
+TEST(CudaSparseDecodeCorners, OverlappingPlanAndScratchRefused) {
+  SKIP_WITHOUT_GPU();
+  ref::SparseCase c = ref::make_sparse_case(base(M1, 4, 2, 16, 200, 64));
+  DeviceSparse d(c);
+  const Options o{gpu_test::gpu_backend_under_test()};
+  WorkspaceSizes sizes;
+  ASSERT_TRUE(sparse_decode_workspace_size(d.args, o, &sizes).ok());
+  ASSERT_GT(sizes.plan_bytes, 16u);
+  ASSERT_GT(sizes.scratch_bytes, 0u);
+  gpu_test::DeviceBuffer one(sizes.plan_bytes + sizes.scratch_bytes);
+  Workspace ws{one.data(), sizes.plan_bytes, one.ptr<uint8_t>() + 16, sizes.scratch_bytes};
+  for (const Status& st : {sparse_decode_plan(d.args, ws, o), sparse_decode(d.args, ws, o)}) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("workspace: plan and scratch overlap"), std::string::npos)
+        << st.to_string();
   }
 }
 

@@ -233,7 +233,8 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
       w_sum += s_sum[warp + k];
     }
   }
-  if (!live) return;
+  // An id outside this call's pairs comes from a plan made for other shapes (params.h).
+  if (!live || static_cast<uint32_t>(info.id) >= static_cast<uint32_t>(p.num_pairs)) return;
 
   int i, s, head;
   if (p.dense) {

@@ -131,6 +131,16 @@ Status check_workspace_fits(const DecodeShape& s, const Workspace& ws) {
                                    " bytes, expected at least " + std::to_string(s.plan_bytes) +
                                    " / " + std::to_string(s.scratch_bytes));
   }
+  // The kernels write partials into scratch while other CTAs read the plan.
+  const auto plan = reinterpret_cast<uintptr_t>(ws.plan);
+  const auto scratch = reinterpret_cast<uintptr_t>(ws.scratch);
+  if (s.plan_bytes > 0 && s.scratch_bytes > 0 && plan < scratch + s.scratch_bytes &&
+      scratch < plan + s.plan_bytes) {
+    return Status::InvalidArgument("workspace: plan and scratch overlap (the plan's " +
+                                   std::to_string(s.plan_bytes) + " bytes and the scratch's " +
+                                   std::to_string(s.scratch_bytes) +
+                                   " bytes must be separate memory)");
+  }
   return Status::Ok();
 }
 
@@ -199,6 +209,8 @@ Status sparse_decode(const SparseDecodeArgs& args, const SparseDecodeProblem& p,
   dp.kv = cache_ref(args.kv);
   dp.indices = static_cast<const int32_t*>(args.indices.data);
   copy_strides(args.indices, dp.indices_stride, 3);
+  dp.max_main = static_cast<int32_t>(p.topk);
+  dp.max_extra = static_cast<int32_t>(p.has_extra ? p.extra_topk : 0);
   if (p.has_extra) {
     dp.extra = cache_ref(*args.extra_kv);
     dp.extra_indices = static_cast<const int32_t*>(args.extra_indices->data);
@@ -265,6 +277,8 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p, co
   dp.kv = cache_ref(args.kv);
   dp.block_table = static_cast<const int32_t*>(args.block_table.data);
   copy_strides(args.block_table, dp.block_table_stride, 2);
+  dp.max_main = 0;
+  dp.max_extra = static_cast<int32_t>(p.max_pages * args.kv.page_size);  // check_dense_tokens
   return run_decode(s, dp, args.kv.format == KVFormat::kFP16, stream);
 }
 

@@ -66,15 +66,30 @@ __device__ __forceinline__ bool part_holds(const PartStart& end, int pr, int til
 __device__ __forceinline__ int part_pair_end(const PartStart& end, int pr, int ntiles) {
   return pr == end.pair ? min(end.tile, ntiles) : ntiles;
 }
+// The start of a part, its pair place within [0, num_pairs] and its tile not negative.
+__device__ __forceinline__ PartStart part_begin(const DecodeParams& p, int part) {
+  PartStart begin = p.parts[part];
+  begin.pair = min(max(begin.pair, 0), p.num_pairs);
+  begin.tile = max(begin.tile, 0);
+  return begin;
+}
 // The lengths and index of the pair at place pr: the part's first pair takes them from the part
-// table, so that a CTA's first index loads need no pairs[] read.
+// table, so that a CTA's first index loads need no pairs[] read. Held to this call's bounds (an
+// id outside them makes the pair empty).
 __device__ __forceinline__ PairInfo part_pair_info(const DecodeParams& p, const PartStart& begin,
                                                    int pr) {
-  if (pr != begin.pair) return p.pairs[pr];
   PairInfo info{};
-  info.n_main = begin.n_main;
-  info.len = begin.len;
-  info.id = begin.id;
+  if (pr != begin.pair) {
+    info = p.pairs[pr];
+  } else {
+    info.n_main = begin.n_main;
+    info.len = begin.len;
+    info.id = begin.id;
+  }
+  const bool known = info.id >= 0 && info.id < p.num_pairs;
+  info.id = known ? info.id : 0;
+  info.n_main = known ? min(max(info.n_main, 0), p.max_main) : 0;
+  info.len = known ? min(max(info.len, info.n_main), info.n_main + p.max_extra) : 0;
   return info;
 }
 
@@ -611,7 +626,7 @@ __global__ void __launch_bounds__(Config<F, C>::kThreads, 1)
   cta.row0 = rb * Cta::kHB;
   cta.nrows = min(Cta::kHB, p.rows_per_group - cta.row0);
 
-  const PartStart begin = p.parts[blockIdx.x];
+  const PartStart begin = part_begin(p, blockIdx.x);
   const PartStart end = p.parts[blockIdx.x + 1];
   int pr = begin.pair, k0 = begin.tile;
   while (pr < p.num_pairs && part_holds(end, pr, k0)) {

@@ -139,6 +139,10 @@ struct DecodeParams {
   int8_t* part_exp;
   float* part_lse;  // [max_slots, rows_per_pair] base-2 partial lse, -inf when empty
   int32_t max_slots;
+  // This call's bounds on a pair's lengths (sparse: topk, extra_topk; dense: 0, max_pages *
+  // page_size). The kernels hold the plan's values to them and to num_pairs: a plan made for
+  // other shapes, which the host cannot see, gives wrong values, never an access outside.
+  int32_t max_main, max_extra;
 };
 
 }  // namespace sparse_mla::cuda::smxx::decode
