@@ -93,7 +93,14 @@ Status kv_cache_from_tensor(const TensorView& t, const char* arg, KVCache* cache
                                    std::to_string(row * t.shape[2]) + ", strides[2] = " +
                                    std::to_string(row) + ", strides[3] = 1");
   }
-  c.page_stride = t.shape[0] <= 1 ? c.page_size * c.bytes_per_token() : t.strides[0] * elem;
+  // One page has no neighbour to step to and the stride of an extent of 1 means nothing: the
+  // page's own bytes, rounded up to the 16-byte multiple the checks ask of every stride. Heads
+  // past the checks' 128 (rejected there by name) would overflow that product.
+  if (t.shape[0] > 1) {
+    c.page_stride = t.strides[0] * elem;
+  } else if (c.num_heads <= 128) {
+    c.page_stride = (c.page_size * c.bytes_per_token() + 15) / 16 * 16;
+  }
   *cache = c;
   return Status::Ok();
 }

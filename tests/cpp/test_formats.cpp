@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sparse_mla/kv_cache.h"
+#include "sparse_mla/sparse_mla.h"
 #include "src/cuda/common/divider.h"
 #include "src/kv/format.h"
 
@@ -270,11 +271,20 @@ TEST(FormatKVCacheFromTensor, V32AndDense) {
   ASSERT_TRUE(kv_cache_from_tensor(bf, "k_cache", &c).ok());
   EXPECT_EQ(c.format, KVFormat::kFP16);
 
-  // One page: the stride of dim 0 is meaningless, the page is exactly as long as its tokens.
-  TensorView one =
-      TensorView::strided(buf.data(), DType::kUInt8, Device{}, {1, 7, 1, 584}, {0, 584, 584, 1});
+  // One page: the stride of dim 0 is meaningless (here a padded pool's); the page's own bytes,
+  // rounded up to a multiple of 16, so that an odd page size with one page is usable too.
+  TensorView one = TensorView::strided(buf.data(), DType::kUInt8, Device{}, {1, 7, 1, 584},
+                                       {31104, 584, 584, 1});
   ASSERT_TRUE(kv_cache_from_tensor(one, "k_cache", &c).ok());
-  EXPECT_EQ(c.page_stride, 7 * 584);
+  EXPECT_EQ(c.page_stride, 4096);  // 7 * 584 = 4088
+  std::vector<int32_t> slots = {0, 3, 6};
+  std::vector<float> deq(3 * 512);
+  DequantizeArgs a;
+  a.kv = c;
+  a.slots = TensorView::contiguous(slots.data(), DType::kInt32, Device{}, {3});
+  a.out = TensorView::contiguous(deq.data(), DType::kFloat32, Device{}, {3, 512});
+  const Status st = dequantize(a, Options{Backend::kCPU, nullptr});
+  EXPECT_TRUE(st.ok()) << st.to_string();
 }
 
 TEST(FormatKVCacheFromTensor, RejectsBadTensorsNamingTheArgument) {

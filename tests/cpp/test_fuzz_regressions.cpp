@@ -138,6 +138,30 @@ TEST(FuzzFindings, CacheFromTensorHugePageOverflows) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
 }
 
+// With one page the synthesized page stride multiplied page_size by bytes_per_token before the
+// head count was checked, which overflowed int64 for 2^31-1 heads of a bf16 cache (UBSan).
+TEST(FuzzFindings, CacheFromTensorHugeHeadsOnePage) {
+  alignas(16) static uint16_t elems[576];
+  TensorView t;
+  t.data = elems;
+  t.dtype = DType::kBFloat16;
+  t.ndim = 4;
+  const int64_t big = (int64_t{1} << 31) - 1;
+  const int64_t shape[4] = {1, big, big, 576}, strides[4] = {0, 576 * big, 576, 1};
+  for (int d = 0; d < 4; ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
+  KVCache kv;
+  ASSERT_TRUE(kv_cache_from_tensor(t, "k_cache", &kv).ok());  // the operations check the heads
+  DequantizeArgs a;
+  a.kv = kv;
+  int32_t slot = 0;
+  float out[576];
+  a.slots = TensorView::contiguous(&slot, DType::kInt32, Device{}, {1});
+  a.out = TensorView::contiguous(out, DType::kFloat32, Device{}, {1, 576});
+  const Status st = dequantize(a, Options{Backend::kCPU, nullptr});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("num_heads 2147483647"), std::string::npos) << st.to_string();
+}
+
 // TensorView::numel multiplied extents without an overflow check and check_tensor called it
 // first, so a 4-D view with large (individually valid) extents overflowed int64 (UBSan).
 TEST(FuzzFindings, NumelOverflows) {
