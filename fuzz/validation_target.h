@@ -402,7 +402,8 @@ class Model {
   }
 
   void scale(const std::optional<float>& s) {
-    if (s) require(std::isfinite(*s) && *s > 0.f, "softmax_scale");
+    // Its base-2 form, s * log2(e), must be finite as well.
+    if (s) require(std::isfinite(*s) && *s > 0.f && *s <= 2.35e38f, "softmax_scale");
   }
 
   // Backend choice for tensors on `dev` (CPU-only builds; CUDA builds skip the model there).

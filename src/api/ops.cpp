@@ -116,9 +116,11 @@ Status check_scale(const std::optional<float>& scale, int d_qk, float* resolved)
     *resolved = 1.0f / std::sqrt(static_cast<float>(d_qk));
     return Status::Ok();
   }
-  if (!std::isfinite(*scale) || *scale <= 0.f) {
+  // The kernels work in base 2: scale * log2(e) must be finite too (2.35e38 * 1.4427 < FLT_MAX).
+  constexpr float kMaxScale = 2.35e38f;
+  if (!std::isfinite(*scale) || *scale <= 0.f || *scale > kMaxScale) {
     return Status::InvalidArgument("softmax_scale: " + std::to_string(*scale) +
-                                   ", expected a finite value > 0");
+                                   ", expected a finite value > 0 and at most 2.35e38");
   }
   *resolved = *scale;
   return Status::Ok();

@@ -153,10 +153,12 @@ TEST(ErrorCatalogue, SparseDecode) {
        [](SparseFixture& f) {
          f.args.attn_sink = TensorView::contiguous(f.sink.data(), DType::kFloat32, kCPU, {5});
        }},
-      {{"scale nan", kBad, "softmax_scale: nan, expected a finite value > 0"},
+      {{"scale nan", kBad, "softmax_scale: nan, expected a finite value > 0 and at most 2.35e38"},
        [](SparseFixture& f) { f.args.softmax_scale = std::nanf(""); }},
       {{"scale negative", kBad, "softmax_scale: -1.000000, expected a finite value > 0"},
        [](SparseFixture& f) { f.args.softmax_scale = -1.f; }},
+      {{"scale huge", kBad, "softmax_scale: 300000000549775575777803994281145270272.000000"},
+       [](SparseFixture& f) { f.args.softmax_scale = 3e38f; }},
       {{"out d_v", kBad, "out: shape [2, 1, 4, 576], expected [2, 1, 4, 512]"},
        [](SparseFixture& f) { f.args.out.shape[3] = 576; }},
       {{"out dtype", kBad, "out: dtype float32, expected bfloat16"},
