@@ -318,11 +318,14 @@ Status repack_pages(const RepackArgs& args) {
   const int64_t max_src_pages = args.src_block_table.shape[1];
   const int64_t max_dst_pages = args.dst_block_table.shape[1];
   const int64_t capacity = std::min(max_src_pages * src.page_size, max_dst_pages * dst.page_size);
+  // Only the dst pages that can receive a token: a dst table far wider than the src one's
+  // capacity must not cost work (zero-stride tables can be 2^31 entries wide).
+  const int64_t dst_pages = (capacity + dst.page_size - 1) / dst.page_size;
   // One work item per (request, dst page): items write disjoint pages unless the caller's
   // tables name one page twice.
 #pragma omp parallel for collapse(2) schedule(dynamic, 4)
   for (int64_t i = 0; i < b; ++i) {
-    for (int64_t dp = 0; dp < max_dst_pages; ++dp) {
+    for (int64_t dp = 0; dp < dst_pages; ++dp) {
       const int64_t len = std::clamp<int64_t>(load_index(args.seqlens, i), 0, capacity);
       const int64_t begin = dp * dst.page_size;
       const int64_t end = std::min(begin + dst.page_size, len);
