@@ -29,7 +29,10 @@ const char* dtype_name(DType dtype) {
 }
 
 std::string device_name(Device device) {
-  if (device.type == DeviceType::kCPU) return "cpu";
+  // A CPU index other than 0 is named, so that a mismatch on it reads as one.
+  if (device.type == DeviceType::kCPU) {
+    return device.index == 0 ? "cpu" : "cpu:" + std::to_string(device.index);
+  }
   return "cuda:" + std::to_string(device.index);
 }
 

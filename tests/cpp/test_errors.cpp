@@ -133,6 +133,8 @@ TEST(ErrorCatalogue, SparseDecode) {
        [](SparseFixture& f) { f.args.indices.shape[2] = 0; }},
       {{"indices device", kBad, "indices: on cuda:0, expected cpu (the device of q)"},
        [](SparseFixture& f) { f.args.indices.device = kGPU0; }},
+      {{"indices cpu index", kBad, "indices: on cpu:1, expected cpu (the device of q)"},
+       [](SparseFixture& f) { f.args.indices.device = Device{DeviceType::kCPU, 1}; }},
       {{"topk_length shape", kBad, "topk_length: shape [3], expected [2]"},
        [](SparseFixture& f) { f.args.topk_length = f.lengths_view(); f.args.topk_length->shape[0] = 3; }},
       {{"topk_length dtype", kBad, "topk_length: dtype float32, expected int32"},
