@@ -278,7 +278,7 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p, co
   dp.block_table = static_cast<const int32_t*>(args.block_table.data);
   copy_strides(args.block_table, dp.block_table_stride, 2);
   dp.max_main = 0;
-  dp.max_extra = static_cast<int32_t>(p.max_pages * args.kv.page_size);  // check_dense_tokens
+  dp.max_extra = static_cast<int32_t>(p.max_pages * args.kv.page_size);  // fits: check_dense_tokens
   return run_decode(s, dp, args.kv.format == KVFormat::kFP16, stream);
 }
 
