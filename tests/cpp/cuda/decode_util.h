@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -131,6 +133,29 @@ struct DeviceWorkspace {
     ws.scratch_bytes = s.scratch_bytes;
   }
 };
+
+// `args` with its out / lse pointed at the first half of `outer`'s (twice as many requests), whose
+// second half a test then expects to stay poisoned (expect_second_half_poisoned).
+template <typename Args>
+Args into_first_half(Args args, const Args& outer) {
+  args.out = outer.out;
+  args.out.shape[0] = outer.out.shape[0] / 2;
+  args.lse = outer.lse;
+  args.lse.shape[0] = outer.lse.shape[0] / 2;
+  return args;
+}
+
+// Expects the second half of out's and lse's device buffers to still hold the 0xff poison.
+template <typename DeviceCase>
+void expect_second_half_poisoned(const DeviceCase& d, const std::string& what) {
+  for (const gpu_test::DeviceTensor* t : {&d.out, &d.lse}) {
+    const std::vector<uint8_t> v = t->buffer.to_vector<uint8_t>();
+    const bool poisoned = std::all_of(v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2),
+                                      v.end(), [](uint8_t x) { return x == 0xff; });
+    EXPECT_TRUE(poisoned) << what << ": " << (t == &d.out ? "out" : "lse")
+                          << " written past the call's requests";
+  }
+}
 
 // Plans and runs on `stream`, waits, and reports any failing status or asynchronous error.
 inline ::testing::AssertionResult run_sparse(const SparseDecodeArgs& args, const Stream& stream) {

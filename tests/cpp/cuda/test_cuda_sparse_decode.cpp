@@ -279,25 +279,10 @@ TEST(CudaSparseDecodeCorners, ForeignOrGarbagePlanStaysInBounds) {
   small_cfg.seed = big_cfg.seed + 1;
   ref::SparseCase small = ref::make_sparse_case(small_cfg);
   DeviceSparse db(big), ds(small);
-  // The small run writes into the first b = 3 of the big outputs' 6 requests.
-  SparseDecodeArgs run = ds.args;
-  run.out = db.args.out;
-  run.out.shape[0] = 3;
-  run.lse = db.args.lse;
-  run.lse.shape[0] = 3;
+  const SparseDecodeArgs run = decode_test::into_first_half(ds.args, db.args);
   WorkspaceSizes sizes;
   ASSERT_TRUE(sparse_decode_workspace_size(db.args, o, &sizes).ok());
   decode_test::DeviceWorkspace ws(sizes);
-  const auto untouched = [&](const char* what) {
-    const std::vector<uint8_t> out = db.out.buffer.to_vector<uint8_t>();
-    const std::vector<uint8_t> lse = db.lse.buffer.to_vector<uint8_t>();
-    EXPECT_TRUE(std::all_of(out.begin() + out.size() / 2, out.end(),
-                            [](uint8_t v) { return v == 0xff; }))
-        << what << ": out written past the call's 3 requests";
-    EXPECT_TRUE(std::all_of(lse.begin() + lse.size() / 2, lse.end(),
-                            [](uint8_t v) { return v == 0xff; }))
-        << what << ": lse written past the call's 3 requests";
-  };
   Stream stream;
   const Options so = stream.options();
   // The plan of the larger call (more requests, a longer main list, an extra cache).
@@ -306,7 +291,7 @@ TEST(CudaSparseDecodeCorners, ForeignOrGarbagePlanStaysInBounds) {
   Status st = sparse_decode(run, ws.ws, so);
   EXPECT_TRUE(st.ok()) << st.to_string();
   EXPECT_TRUE(stream.sync());
-  untouched("the plan of a larger call");
+  decode_test::expect_second_half_poisoned(db, "the plan of a larger call");
   // Plans overwritten with bytes that make every field negative, huge, or random.
   std::mt19937 rng(static_cast<uint32_t>(big_cfg.seed));
   for (int fill : {0xff, 0x7f, -1}) {
@@ -318,7 +303,7 @@ TEST(CudaSparseDecodeCorners, ForeignOrGarbagePlanStaysInBounds) {
     st = sparse_decode(run, ws.ws, so);
     EXPECT_TRUE(st.ok()) << st.to_string();
     EXPECT_TRUE(stream.sync());
-    untouched("a garbage plan");
+    decode_test::expect_second_half_poisoned(db, "a garbage plan");
   }
 }
 
