@@ -510,6 +510,11 @@ const Kernels& kernels() {
 }
 
 // ---- Online softmax ----
+// The larger of a and b, NaN if either is: a NaN logit makes its row NaN (spec section 7: NaN
+// positions as in the reference), where std::max would drop it and a row of NaN logits alone
+// would read as empty.
+static float max_keeping_nan(float a, float b) { return b > a || b != b ? b : a; }
+
 void SoftmaxState::begin(int M, int d_qk, int d_v) {
   M_ = M;
   d_qk_ = d_qk;
@@ -533,8 +538,8 @@ void SoftmaxState::tile(const Kernels& k, const float* rows, int T, const int64_
       }
     }
     float mx = kNegInf;
-    for (int t = 0; t < T; ++t) mx = std::max(mx, s[t]);
-    const float m_new = std::max(m_[m], mx);
+    for (int t = 0; t < T; ++t) mx = max_keeping_nan(mx, s[t]);
+    const float m_new = max_keeping_nan(m_[m], mx);
     if (m_new == kNegInf) {  // nothing visible to this row yet
       std::fill(s, s + T, 0.f);
       continue;

@@ -137,6 +137,37 @@ TEST(CpuSparseDecodeCorners, AllIndicesMinusOne) {
   }
 }
 
+// NaN in a query row or in a referenced cache row makes the rows that use it NaN (out and lse),
+// as in the reference, wherever the NaN token sits in the list: a row of NaN logits alone used to
+// read as empty (out 0, lse +inf), and a NaN token in a tile before the first finite one was
+// dropped.
+TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
+  ref::SparseCaseConfig cfg = base(KVFormat::kV32, 2, 1, 8, 70, 64);
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  c.q.set({0, 0, 3, 7}, nan);  // every logit of request 0's head 3
+  // Request 1: its first 64 entries (the first tile) name one slot whose rope dims are NaN; the
+  // rest are finite rows.
+  const int64_t slot = static_cast<int64_t>(c.indices.get({1, 0, 0}));
+  std::vector<float> row(576);
+  ref::Rng rng(cfg.seed + 1);
+  for (float& v : row) v = static_cast<float>(rng.uniform(-0.1, 0.1));
+  for (int d = 512; d < 576; ++d) row[d] = std::numeric_limits<float>::quiet_NaN();
+  ref::write_row(c.kv, slot, 0, row.data());
+  for (int64_t k = 0; k < 64; ++k) c.indices.set({1, 0, k}, static_cast<double>(slot));
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+  EXPECT_TRUE(std::isnan(c.lse.get({0, 3, 0})));
+  EXPECT_TRUE(std::isnan(c.out.get({0, 0, 3, 100})));
+  EXPECT_FALSE(std::isnan(c.lse.get({0, 2, 0})));
+  for (int64_t h = 0; h < 8; ++h) {
+    EXPECT_TRUE(std::isnan(c.lse.get({1, h, 0}))) << "head " << h;
+    EXPECT_TRUE(std::isnan(c.out.get({1, 0, h, 5}))) << "head " << h;
+  }
+}
+
 // Sinks of +inf (out 0), -inf (no effect) and finite values, one per head; lse excludes the sink.
 TEST(CpuSparseDecodeCorners, SinkInfinitiesAndFinite) {
   ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 3, 2, 8, 50, 53), 30, 64);
