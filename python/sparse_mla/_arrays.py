@@ -35,9 +35,10 @@ _torch_codes: dict = {}
 
 
 def _framework_of_type(t: type) -> str:
-    module = t.__module__
-    if module.startswith("torch") and issubclass(t, sys.modules["torch"].Tensor):
+    torch = sys.modules.get("torch")  # no torch tensor exists unless torch was imported
+    if torch is not None and issubclass(t, torch.Tensor):  # subclasses from any module too
         return "torch"
+    module = t.__module__
     if module.startswith("cupy"):
         return "cupy"
     if issubclass(t, np.ndarray):
@@ -70,10 +71,26 @@ def native(x: Any) -> Any:
     if fw == "numpy":
         return x.view(_RAW_VIEW[x.dtype.itemsize]) if x.dtype.kind == "V" else x
     if fw == "torch":
+        if x.is_neg():  # its memory holds the values un-negated, DLPack exports them as such
+            raise ValueError("a torch tensor with the negative bit set (a lazy negation, e.g. "
+                             "from .conj().imag): pass tensor.resolve_neg()")
         code = _torch_code(x.dtype)
         if code is not None and x.layout is _torch_strided() and (x.is_cuda or x.is_cpu):
-            return (x.data_ptr(), code, x.shape, x.stride(), x.get_device())
+            return (x.data_ptr(), code, x.shape, x.stride(), x.get_device(), _descriptor_tag())
     return x
+
+
+_tag = None
+
+
+def _descriptor_tag() -> Any:
+    """The extension's marker that makes a tuple a tensor descriptor (no other tuple is one)."""
+    global _tag
+    if _tag is None:
+        from . import _ext
+
+        _tag = _ext._DESCRIPTOR_TAG
+    return _tag
 
 
 _strided = None
@@ -185,6 +202,9 @@ def stack(parts: Sequence[Any], stream: Optional[int] = None) -> Any:
         with cupy.cuda.Device(first.device.id), on_stream(first, stream):
             return cupy.stack(list(parts))
     if fw == "numpy":
+        if any(np.dtype(p.dtype) != first.dtype for p in parts):  # raw bits must not be mixed
+            raise TypeError("out_parts: the parts have dtypes "
+                            f"{sorted({np.dtype(p.dtype).name for p in parts})}, expected one")
         return np.stack([native(p) for p in parts]).view(first.dtype)
     raise TypeError("out_parts: a sequence of arrays must hold numpy, torch or cupy arrays; "
                     f"got {type(first).__name__} (stack them into one [n, ...] array first)")

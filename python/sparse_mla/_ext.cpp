@@ -32,6 +32,9 @@ namespace {
 
 // Python class for StatusCode::kUnsupported (a NotImplementedError, hence a RuntimeError).
 PyObject* g_unsupported_error = nullptr;
+// The last field of a torch tensor descriptor (_arrays.native): an object of its own, so that no
+// other tuple a caller passes is read as a raw pointer.
+PyObject* g_descriptor_tag = nullptr;
 
 struct StatusError : std::exception {
   explicit StatusError(Status s) : status(std::move(s)) {}
@@ -118,7 +121,7 @@ std::string dlpack_dtype_string(nb::dlpack::dtype d) {
 class Arrays {
  public:
   TensorView input(nb::handle obj, const char* name) {
-    if (nb::isinstance<nb::tuple>(obj)) return descriptor(obj, name);
+    if (is_descriptor(obj)) return descriptor(obj, name);
     nb::ndarray<nb::ro> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, false);
     TensorView t = view(a, name);
@@ -127,7 +130,7 @@ class Arrays {
   }
 
   TensorView output(nb::handle obj, const char* name) {
-    if (nb::isinstance<nb::tuple>(obj)) return descriptor(obj, name);
+    if (is_descriptor(obj)) return descriptor(obj, name);
     nb::ndarray<> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, true);
     TensorView t = view(a, name);
@@ -163,7 +166,7 @@ class Arrays {
   // Pointer and size in bytes of a workspace buffer (any dtype, contiguous), or none.
   std::pair<void*, size_t> buffer(nb::handle obj, const char* name) {
     if (obj.is_none()) return {nullptr, 0};
-    if (nb::isinstance<nb::tuple>(obj)) {
+    if (is_descriptor(obj)) {
       TensorView t = descriptor(obj, name);
       if (!t.is_contiguous())
         throw nb::value_error((std::string(name) + ": not contiguous").c_str());
@@ -185,16 +188,17 @@ class Arrays {
     throw nb::type_error(msg.c_str());
   }
 
-  // (data_ptr, dtype code, shape, strides, device): how the Python layer describes a torch
-  // tensor, several times cheaper than a DLPack export. The dtype code is a DType value; device
-  // -1 is the CPU, else a CUDA ordinal. The caller keeps the tensor alive during the call.
+  // (data_ptr, dtype code, shape, strides, device, _DESCRIPTOR_TAG): how the Python layer
+  // describes a torch tensor, several times cheaper than a DLPack export. The dtype code is a
+  // DType value; device -1 is the CPU, else a CUDA ordinal. The caller keeps the tensor alive
+  // during the call. Any other tuple is not an array.
+  static bool is_descriptor(nb::handle obj) {
+    return PyTuple_CheckExact(obj.ptr()) && PyTuple_GET_SIZE(obj.ptr()) == 6 &&
+           PyTuple_GET_ITEM(obj.ptr(), 5) == g_descriptor_tag;
+  }
+
   static TensorView descriptor(nb::handle obj, const char* name) {
     nb::tuple d = nb::borrow<nb::tuple>(obj);
-    if (d.size() != 5) {
-      throw nb::type_error((std::string(name) + ": a tensor descriptor has 5 fields, got " +
-                            std::to_string(d.size()))
-                               .c_str());
-    }
     TensorView t;
     t.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(d[0]));
     const int code = nb::cast<int>(d[1]);
@@ -494,6 +498,8 @@ NB_MODULE(_ext, m) {
   g_unsupported_error =
       PyErr_NewException("sparse_mla.UnsupportedError", PyExc_NotImplementedError, nullptr);
   m.attr("UnsupportedError") = nb::handle(g_unsupported_error);
+  g_descriptor_tag = PyObject_CallNoArgs(reinterpret_cast<PyObject*>(&PyBaseObject_Type));
+  m.attr("_DESCRIPTOR_TAG") = nb::handle(g_descriptor_tag);
   nb::register_exception_translator(translate_status_error);
 
 #if SPARSE_MLA_WITH_CUDA

@@ -322,6 +322,16 @@ def test_errors_name_the_argument():
         sm.sparse_decode(q, cache.view, idx, out=ro)
     with pytest.raises(ValueError, match="extra_indices: missing"):
         sm.sparse_decode(q, cache.view, idx, extra_k_cache=cache.view)
+    # A plain tuple is not an array, even one shaped like the torch descriptors (it used to be
+    # read as a raw pointer: a crash).
+    for bad in [(16, 1, (1,), (1,), -1), (100, 60)]:
+        with pytest.raises(TypeError, match="topk_length: expected an array"):
+            sm.sparse_decode(q, cache.view, idx, topk_length=bad)
+    # Parts of different dtypes are not stacked as raw bits.
+    parts = np.zeros((2, 1, 1, 2, 512), np.float32)
+    lses = np.zeros((2, 1, 1, 2), np.float32)
+    with pytest.raises(TypeError, match="out_parts: the parts have dtypes"):
+        sm.merge_attention([parts[0], as_bf16(f32_to_bf16_bits(parts[1]))], list(lses))
 
 
 def test_unsupported_error_is_a_runtime_error():

@@ -189,6 +189,24 @@ def test_flash_mla_reused_metadata_still_checks_the_arguments():
         flash_mla.flash_mla_with_kvcache(q, t_cache(cache), bt, seqlens, 576, meta)
 
 
+def test_torch_subclasses_and_lazily_negated_tensors():
+    p = sparse_problem(43, h_q=16)
+    kw = torch_kwargs(p)
+
+    class Sub(torch.Tensor):
+        pass
+
+    out, lse = sm.sparse_decode(kw["q"].as_subclass(Sub), kw["k_cache"], kw["indices"],
+                                topk_length=kw["topk_length"], attn_sink=kw["attn_sink"])
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)  # torch, not DLPack
+    assert_close(out, lse, *reference_of(p))
+    # A negated view whose memory holds the un-negated values is refused, not read as stored.
+    sink = torch.complex(torch.zeros(16), kw["attn_sink"].float()).conj().imag
+    assert sink.is_neg()
+    with pytest.raises(ValueError, match="negative bit"):
+        sm.sparse_decode(kw["q"], kw["k_cache"], kw["indices"], attn_sink=sink)
+
+
 def test_flash_mla_explicit_metadata_form():
     p = sparse_problem(41, lengths=False, sink=False)
     kw = torch_kwargs(p)
