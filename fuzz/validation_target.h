@@ -353,10 +353,10 @@ class Model {
     require(empty || t.data != nullptr, n + ": null data");
     require(reinterpret_cast<uintptr_t>(t.data) % align == 0, n + ": misaligned data");
     const int last = t.ndim - 1;
-    if (w.last_dim_contiguous && last >= 0 && t.shape[last] > 1) {
+    if (w.last_dim_contiguous && !empty && last >= 0 && t.shape[last] > 1) {
       require(t.strides[last] == 1, n + ": last dim not contiguous");
     }
-    for (int d = 0; d < last; ++d) {
+    for (int d = 0; d < last && !empty; ++d) {
       if (t.shape[d] > 1 && align > static_cast<size_t>(elem)) {
         require(t.strides[d] % (static_cast<int64_t>(align) / elem) == 0, n + ": stride alignment");
       }

@@ -227,6 +227,7 @@ class Arrays {
 
   template <typename A>
   static bool is_contiguous(const A& a) {
+    if (a.size() == 0) return true;  // nothing addressed (numpy 2 gives such arrays 0 strides)
     int64_t stride = 1;
     for (int d = static_cast<int>(a.ndim()) - 1; d >= 0; --d) {
       if (a.shape(d) != 1 && a.stride(d) != stride) return false;

@@ -78,12 +78,15 @@ Status kv_cache_from_tensor(const TensorView& t, const char* arg, KVCache* cache
     return Status::InvalidArgument(name + ": dtype " + std::string(dtype_name(t.dtype)) +
                                    ", expected uint8/float8_e4m3fn (FP8 pages) or bfloat16/float16");
   }
-  // Each page must be dense inside: tokens, heads and bytes packed, pages may be padded.
+  // Each page must be dense inside: tokens, heads and bytes packed, pages may be padded. An empty
+  // tensor addresses nothing, so its strides need no layout (numpy 2 gives them all 0).
   const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
   const int64_t row = last;
-  const bool dense_inside = (t.shape[3] <= 1 || t.strides[3] == 1) &&
-                            (t.shape[2] <= 1 || t.strides[2] == row) &&
-                            (t.shape[1] <= 1 || t.strides[1] == row * t.shape[2]);
+  bool empty = false;
+  for (int d = 0; d < 4; ++d) empty |= t.shape[d] == 0;
+  const bool dense_inside = empty || ((t.shape[3] <= 1 || t.strides[3] == 1) &&
+                                      (t.shape[2] <= 1 || t.strides[2] == row) &&
+                                      (t.shape[1] <= 1 || t.strides[1] == row * t.shape[2]));
   if (!dense_inside) {
     return Status::InvalidArgument(name + ": strides [" + std::to_string(t.strides[0]) + ", " +
                                    std::to_string(t.strides[1]) + ", " +

@@ -168,6 +168,21 @@ TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
   }
 }
 
+// An empty batch whose tensors have all-zero strides (numpy 2's zero-size arrays) addresses
+// nothing and is accepted, whatever its layout would have been.
+TEST(CpuSparseDecodeCorners, EmptyBatchWithZeroStrides) {
+  ref::HostCache cache(ref::CacheConfig{KVFormat::kModel1, 2, 3, 1, 0});
+  alignas(16) static uint8_t none[16];
+  SparseDecodeArgs args;
+  args.q = TensorView::strided(none, DType::kBFloat16, Device{}, {0, 1, 2, 512}, {0, 0, 0, 0});
+  args.kv = cache.desc();
+  args.indices = TensorView::strided(none, DType::kInt32, Device{}, {0, 1, 8}, {0, 0, 0});
+  args.out = TensorView::strided(none, DType::kBFloat16, Device{}, {0, 1, 2, 512}, {0, 0, 0, 0});
+  args.lse = TensorView::strided(none, DType::kFloat32, Device{}, {0, 2, 1}, {0, 0, 0});
+  const Status st = sparse_decode(args, Workspace{}, kCPU);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
 // Sinks of +inf (out 0), -inf (no effect) and finite values, one per head; lse excludes the sink.
 TEST(CpuSparseDecodeCorners, SinkInfinitiesAndFinite) {
   ref::SparseCaseConfig cfg = with_extra(base(KVFormat::kModel1, 3, 2, 8, 50, 53), 30, 64);

@@ -277,6 +277,19 @@ def _small_sparse(rng=None):
     return q, cache, idx
 
 
+def test_zero_size_numpy_arrays():
+    # numpy 2 gives zero-size arrays all-zero strides; they address nothing and are accepted.
+    q, cache, idx = _small_sparse()
+    q0, idx0 = np.zeros((0, 1, 2, 512), q.dtype), np.zeros((0, 1, 8), np.int32)
+    out, lse = sm.sparse_decode(q0, cache.view, idx0)
+    assert out.shape == (0, 1, 2, 512) and lse.shape == (0, 2, 1)
+    empty_ws = sm.Workspace(np.empty(0, np.uint8), np.empty(0, np.uint8))
+    out, lse = sm.sparse_decode(q, cache.view, idx, workspace=empty_ws)
+    assert_close(out, lse, *sparse_decode_ref(q.view(np.uint16), cache, idx))
+    assert sm.dequantize(cache.view, np.zeros(0, np.int32)).shape == (0, 512)
+    assert sm.dequantize(np.zeros((0, 16, 1, 584), np.uint8), np.array([3, -1], np.int32)).shape == (2, 512)
+
+
 def test_queries_on_the_cpu():
     q, cache, idx = _small_sparse()
     assert "cpu" in sm.available_backends()
