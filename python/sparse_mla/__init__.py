@@ -20,7 +20,7 @@ registers the operations with torch.library (imported automatically when torch i
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _arrays, _ext
 from ._ext import UnsupportedError
@@ -97,7 +97,37 @@ def _explicit_stream(like: Any, stream: Any) -> Optional[int]:
 
 def _first(parts: Any) -> Any:
     """The first array of a sequence of parts, else the array itself."""
-    return parts[0] if isinstance(parts, (list, tuple)) else parts
+    if not isinstance(parts, (list, tuple)):
+        return parts
+    if not parts:
+        raise ValueError("out_parts: an empty sequence, expected at least one part")
+    return parts[0]
+
+
+def _array_shape(x: Any, name: str, ndim: int) -> Tuple[int, ...]:
+    """Shape of `x`, which sizes the outputs this layer allocates: checked here so that a wrong
+    one is reported by name before the library sees the call (it checks everything else)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    if len(shape) != ndim:
+        raise ValueError(f"{name}: rank {len(shape)} (shape {list(shape)}), expected {ndim}")
+    return tuple(int(s) for s in shape)
+
+
+def _output_dtype(x: Any, name: str, allowed: Tuple[str, ...]) -> str:
+    """The dtype of array `x`, which an output this layer allocates takes; one the library cannot
+    write is reported by the argument's name."""
+    dtype = _arrays.dtype_name(x)
+    if dtype not in allowed:
+        raise TypeError(f"{name}: dtype {dtype}, expected {' or '.join(allowed)}")
+    return dtype
+
+
+def _dtype_option(value: str, name: str, allowed: Tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}: '{value}', expected " + " or ".join(f"'{a}'" for a in allowed))
+    return value
 
 
 def _allocator(like: Any, stream: Optional[int] = None):
@@ -123,7 +153,7 @@ def _sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache, extra_indice
 
 def _decode_outputs(q, out, lse, out_dtype: str, sparse_lse_layout: bool,
                     stream: Optional[int]):
-    b, s_q, h_q = _arrays.shape_of(q)[:3]
+    b, s_q, h_q = _array_shape(q, "q", 4)[:3]
     if out is None:
         out = _arrays.empty(q, (b, s_q, h_q, D_V), out_dtype, stream)
     if lse is None:
@@ -252,7 +282,8 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, *, causal: bool = False
                                  softmax_scale=softmax_scale, out=out, lse=lse,
                                  workspace=workspace, backend=backend)
     on = _explicit_stream(q, stream)
-    out, lse = _decode_outputs(q, out, lse, _arrays.dtype_name(q), False, on)
+    out_dtype = _output_dtype(q, "q", ("bfloat16", "float16"))
+    out, lse = _decode_outputs(q, out, lse, out_dtype, False, on)
     plan, scratch = _workspace_args(workspace)
     _ext.dense_decode(**_dense_inputs(q, k_cache, block_table, cache_seqlens, causal,
                                       softmax_scale),
@@ -328,13 +359,11 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     if _is_compiling():
         return _ops.merge_attention(out_parts, lse_parts, attn_sink=attn_sink, out=out, lse=lse,
                                     out_dtype=out_dtype, backend=backend)
-    shape = _arrays.shape_of(out_parts)
-    if len(shape) != 5:
-        raise ValueError(f"out_parts: shape {list(shape)}, expected [n, b, s_q, h_q, d_v]")
-    _, b, s_q, h_q, d_v = shape
+    _, b, s_q, h_q, d_v = _array_shape(out_parts, "out_parts", 5)
     if out is None:
-        out = _arrays.empty(out_parts, (b, s_q, h_q, d_v),
-                            out_dtype or _arrays.dtype_name(out_parts), on)
+        dtype = (_dtype_option(out_dtype, "out_dtype", ("float32", "bfloat16")) if out_dtype
+                 else _output_dtype(out_parts, "out_parts", ("float32", "bfloat16")))
+        out = _arrays.empty(out_parts, (b, s_q, h_q, d_v), dtype, on)
     if lse is None:
         lse = _arrays.lse_like(out_parts, b, s_q, h_q, on)
     _ext.merge_attention(_arrays.native(out_parts), _arrays.native(lse_parts),
@@ -372,7 +401,8 @@ def dequantize(k_cache, slots, *, out=None, dtype: str = "float32",
     if _is_compiling():
         return _ops.dequantize(k_cache, slots, out=out, dtype=dtype, backend=backend)
     if out is None:
-        n = _arrays.shape_of(slots)[0]
+        n = _array_shape(slots, "slots", 1)[0]
+        _dtype_option(dtype, "dtype", ("float32", "bfloat16"))
         out = _arrays.empty(k_cache, (n, _cache_d_qk(k_cache)), dtype,
                             _explicit_stream(k_cache, stream))
     _ext.dequantize(_arrays.native(k_cache), _arrays.native(slots), _arrays.native(out),

@@ -347,6 +347,28 @@ def test_errors_name_the_argument():
         sm.merge_attention([parts[0], as_bf16(f32_to_bf16_bits(parts[1]))], list(lses))
 
 
+def test_python_layer_errors_name_the_argument():
+    q, cache, idx = _small_sparse()
+    with pytest.raises(TypeError, match="q: expected an array, got list"):
+        sm.sparse_decode([1, 2], cache.view, idx)
+    with pytest.raises(ValueError, match=r"q: rank 2 \(shape \[2, 512\]\), expected 4"):
+        sm.sparse_decode(q[0, 0], cache.view, idx)
+    with pytest.raises(TypeError, match="q: dtype float64, expected bfloat16 or float16"):
+        sm.dense_decode(np.zeros((1, 1, 2, 576)), cache.view, np.zeros((1, 1), np.int32),
+                        np.ones(1, np.int32))
+    parts, lses = np.zeros((2, 1, 1, 2, 64)), np.zeros((2, 1, 1, 2), np.float32)
+    with pytest.raises(TypeError, match="out_parts: dtype float64, expected float32 or bfloat16"):
+        sm.merge_attention(parts, lses)
+    with pytest.raises(ValueError, match="out_dtype: 'f64'"):
+        sm.merge_attention(parts.astype(np.float32), lses, out_dtype="f64")
+    with pytest.raises(ValueError, match="out_parts: an empty sequence"):
+        sm.merge_attention([], [])
+    with pytest.raises(ValueError, match="slots: rank 0"):
+        sm.dequantize(cache.view, np.int32(3))
+    with pytest.raises(ValueError, match="dtype: 'bf16', expected 'float32' or 'bfloat16'"):
+        sm.dequantize(cache.view, idx[0, 0], dtype="bf16")
+
+
 def test_unsupported_error_is_a_runtime_error():
     assert issubclass(sm.UnsupportedError, NotImplementedError)
     assert issubclass(sm.UnsupportedError, RuntimeError)
