@@ -240,8 +240,24 @@ TEST(CudaDenseDecodeCorners, TokenLimitReportedByEveryQuery) {
                                 dense_decode_workspace_size, dense_decode);
 }
 
-// Block-table entries outside [0, num_pages) make their tokens absent and are never read;
-// requests with no token left give out 0 and lse +inf.
+// More token lists than the planner's 32-bit counters allow (2^30 + 1 requests, all tensors
+// broadcast by zero strides) is refused alike by the queries and the run.
+TEST(CudaDenseDecodeCorners, TokenListLimitReportedByEveryQuery) {
+  SKIP_WITHOUT_GPU();
+  const Device dev = gpu_test::cuda_device();
+  const int64_t b = (int64_t{1} << 30) + 1;
+  gpu_test::DeviceBuffer q(576 * 2), cache(64 * 1152), table(4), seqlens(4), out(512 * 2), lse(4);
+  DenseDecodeArgs a;
+  a.q = TensorView::strided(q.data(), DType::kBFloat16, dev, {b, 1, 1, 576}, {0, 0, 0, 1});
+  a.kv = KVCache{cache.data(), dev, KVFormat::kBF16, 1, 64, 64 * 1152, 1};
+  a.block_table = TensorView::strided(table.data(), DType::kInt32, dev, {b, 1}, {0, 1});
+  a.cache_seqlens = TensorView::strided(seqlens.data(), DType::kInt32, dev, {b}, {0});
+  a.out = TensorView::strided(out.data(), DType::kBFloat16, dev, {b, 1, 1, 512}, {0, 0, 0, 1});
+  a.lse = TensorView::strided(lse.data(), DType::kFloat32, dev, {b, 1, 1}, {0, 0, 0});
+  expect_refused_by_every_query(a, "1073741825 token lists", dense_decode_supported,
+                                dense_decode_workspace_size, dense_decode);
+}
+
 // The plan of a larger call (more requests, longer ones, a wider block table) used for a smaller
 // one: the kernels hold its lengths to the call's block table and its ids to the call's requests
 // (values wrong, no access outside: memcheck in gpu_check's subset sees the reads; the outputs'

@@ -185,6 +185,23 @@ TEST(CudaSparseDecodeCorners, KernelLimitsReportedByEveryQuery) {
                                 sparse_decode_workspace_size, sparse_decode);
 }
 
+// More token lists than the planner's 32-bit counters allow (2^30 + 1 requests of one head, all
+// tensors broadcast by zero strides) is refused alike by the queries and the run.
+TEST(CudaSparseDecodeCorners, TokenListLimitReportedByEveryQuery) {
+  SKIP_WITHOUT_GPU();
+  const int64_t b = (int64_t{1} << 30) + 1, topk = 8;
+  const Device dev = gpu_test::cuda_device();
+  gpu_test::DeviceBuffer q(512 * 2), cache(37440), indices(topk * 4), out(512 * 2), lse(4);
+  SparseDecodeArgs a;
+  a.q = TensorView::strided(q.data(), DType::kBFloat16, dev, {b, 1, 1, 512}, {0, 0, 0, 1});
+  a.kv = KVCache{cache.data(), dev, KVFormat::kModel1, 1, 64, 37440, 1};
+  a.indices = TensorView::strided(indices.data(), DType::kInt32, dev, {b, 1, topk}, {0, 0, 1});
+  a.out = TensorView::strided(out.data(), DType::kBFloat16, dev, {b, 1, 1, 512}, {0, 0, 0, 1});
+  a.lse = TensorView::strided(lse.data(), DType::kFloat32, dev, {b, 1, 1}, {0, 0, 0});
+  expect_refused_by_every_query(a, "1073741825 token lists", sparse_decode_supported,
+                                sparse_decode_workspace_size, sparse_decode);
+}
+
 TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
   SKIP_WITHOUT_GPU();
   ref::SparseCaseConfig cfg = with_extra(base(M1, 3, 2, 16, 70, 64), 20, 2);

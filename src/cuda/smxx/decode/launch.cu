@@ -200,6 +200,11 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
                          int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
                          DecodeShape* shape) {
+  if (num_pairs > kMaxTokenLists) {
+    return Status::Unsupported("cuda decode: " + std::to_string(num_pairs) +
+                               " token lists (sparse: b * s_q, dense: b), at most " +
+                               std::to_string(kMaxTokenLists) + " supported");
+  }
   DeviceLimits dev;
   SPARSE_MLA_RETURN_IF_ERROR(device_limits(device, &dev));
   KernelPick pick;

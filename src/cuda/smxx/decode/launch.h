@@ -89,6 +89,10 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
                          int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
                          DecodeShape* shape);
 
+// Token lists a call (sparse: b * s_q, dense: b): the planner and the kernels walk them with
+// 32-bit counters that step by a CTA of threads, so the count stays well below 2^31.
+inline constexpr int64_t kMaxTokenLists = int64_t{1} << 30;
+
 // Cost-line constants of the planner: a pair's fixed cost (Q load, pipeline fill, epilogue) and
 // the smallest part worth a CTA (a split writes a 2 KB fp32 partial row per query row, so cutting
 // below a few tiles costs more traffic than it saves). The Hopper kernel's fixed cost is two of
