@@ -4,8 +4,11 @@
 // configurations and the shapes that exercise its row padding and split lists.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -53,6 +56,35 @@ struct NamedCase {
   ref::SparseCaseConfig config;
 };
 inline void PrintTo(const NamedCase& c, std::ostream* os) { *os << c.name; }  // gtest's output
+
+// NaN fed two ways, which every backend must carry to the rows fed and only to them: into q
+// (request 0, head 3: every logit of that row) and into a referenced row's rope dims (request 1,
+// query token 0: its first 64 entries name that one slot, so its first tiles hold only NaN logits;
+// the rest are finite rows). Needs b >= 2, h_q >= 4, topk > 64, and the format's rope in bf16.
+inline void feed_nan(ref::SparseCase& c) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  c.q.set({0, 0, 3, 7}, nan);
+  const int64_t slot = static_cast<int64_t>(c.indices.get({1, 0, 0}));
+  std::vector<float> row(c.kv.d_qk());
+  ref::Rng rng(c.config.seed + 1);
+  for (float& v : row) v = static_cast<float>(rng.uniform(-0.1, 0.1));
+  for (size_t d = row.size() - 64; d < row.size(); ++d) row[d] = std::numeric_limits<float>::quiet_NaN();
+  ref::write_row(c.kv, slot, 0, row.data());
+  for (int64_t k = 0; k < 64; ++k) c.indices.set({1, 0, k}, static_cast<double>(slot));
+}
+
+// The outputs of a case given feed_nan: NaN in the rows fed, finite beside them.
+inline void expect_nan_where_fed(const ref::SparseCase& c) {
+  EXPECT_TRUE(std::isnan(c.lse.get({0, 3, 0})));
+  EXPECT_TRUE(std::isnan(c.out.get({0, 0, 3, 100})));
+  EXPECT_FALSE(std::isnan(c.lse.get({0, 2, 0})));
+  EXPECT_FALSE(std::isnan(c.out.get({0, 0, 2, 100})));
+  for (int64_t h = 0; h < c.config.h_q; ++h) {
+    EXPECT_TRUE(std::isnan(c.lse.get({1, h, 0}))) << "head " << h;
+    EXPECT_TRUE(std::isnan(c.out.get({1, 0, h, 5}))) << "head " << h;
+    if (c.config.s_q > 1) EXPECT_FALSE(std::isnan(c.lse.get({1, h, 1}))) << "head " << h;
+  }
+}
 
 inline std::vector<NamedCase> corner_cases() {
   const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;

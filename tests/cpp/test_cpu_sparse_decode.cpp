@@ -146,26 +146,10 @@ TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
   cfg.seed = test_seed();
   SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
   ref::SparseCase c = ref::make_sparse_case(cfg);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  c.q.set({0, 0, 3, 7}, nan);  // every logit of request 0's head 3
-  // Request 1: its first 64 entries (the first tile) name one slot whose rope dims are NaN; the
-  // rest are finite rows.
-  const int64_t slot = static_cast<int64_t>(c.indices.get({1, 0, 0}));
-  std::vector<float> row(576);
-  ref::Rng rng(cfg.seed + 1);
-  for (float& v : row) v = static_cast<float>(rng.uniform(-0.1, 0.1));
-  for (int d = 512; d < 576; ++d) row[d] = std::numeric_limits<float>::quiet_NaN();
-  ref::write_row(c.kv, slot, 0, row.data());
-  for (int64_t k = 0; k < 64; ++k) c.indices.set({1, 0, k}, static_cast<double>(slot));
+  sparse_cases::feed_nan(c);
   const ref::CompareResult res = run_and_compare(c);
   EXPECT_TRUE(res.ok) << res.summary();
-  EXPECT_TRUE(std::isnan(c.lse.get({0, 3, 0})));
-  EXPECT_TRUE(std::isnan(c.out.get({0, 0, 3, 100})));
-  EXPECT_FALSE(std::isnan(c.lse.get({0, 2, 0})));
-  for (int64_t h = 0; h < 8; ++h) {
-    EXPECT_TRUE(std::isnan(c.lse.get({1, h, 0}))) << "head " << h;
-    EXPECT_TRUE(std::isnan(c.out.get({1, 0, h, 5}))) << "head " << h;
-  }
+  sparse_cases::expect_nan_where_fed(c);
 }
 
 // An empty batch whose tensors have all-zero strides (numpy 2's zero-size arrays) addresses

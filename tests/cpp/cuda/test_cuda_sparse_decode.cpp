@@ -225,6 +225,27 @@ TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
   }
 }
 
+// NaN in a query row or in a referenced cache row makes the rows that use it NaN (out and lse),
+// as in the reference, and no other row: both formats, both kernel widths (h_q 8 and 128), short
+// lists and lists split over CTAs (the NaN partials pass through the combine).
+TEST(CudaSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {M1, V32}) {
+    for (int64_t h_q : {8, 128}) {
+      for (int64_t topk : {70, 2600}) {
+        ref::SparseCaseConfig cfg = base(format, 2, 2, h_q, topk, 64);
+        cfg.seed = test_seed();
+        SCOPED_TRACE("h_q " + std::to_string(h_q) + " topk " + std::to_string(topk) +
+                     " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+        ref::SparseCase c = ref::make_sparse_case(cfg);
+        sparse_cases::feed_nan(c);
+        check_case(c);
+        sparse_cases::expect_nan_where_fed(c);
+      }
+    }
+  }
+}
+
 // Sinks of +inf (out 0), -inf (no effect) and finite values; lse excludes the sink. Run with a
 // short list (final output written by the attention kernel) and a long one (written by combine).
 TEST(CudaSparseDecodeCorners, SinkInfinitiesAndFinite) {
