@@ -102,7 +102,7 @@ class SoftmaxState {
   float* q_row(int m) { return q_.data() + static_cast<int64_t>(m) * d_qk_; }
   // Attends to the T (<= kTileTokens) rows of a dequantized tile (pitch kRowPitch; V is the first
   // d_v of each row). With `visible_until`, row m sees tile token t only when
-  // pos[t] <= visible_until[m].
+  // pos[t] <= visible_until[m] (pos ascending).
   void tile(const Kernels& k, const float* rows, int T, const int64_t* pos = nullptr,
             const int64_t* visible_until = nullptr);
   int rows() const { return M_; }

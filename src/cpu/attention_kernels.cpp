@@ -556,7 +556,23 @@ void SoftmaxState::tile(const Kernels& k, const float* rows, int T, const int64_
     }
     m_[m] = m_new;
   }
-  k.pv(s_.data(), kTileTokens, M_, rows, kRowPitch, T, d_v_, o_.data(), d_v_);
+  if (visible_until == nullptr) {
+    k.pv(s_.data(), kTileTokens, M_, rows, kRowPitch, T, d_v_, o_.data(), d_v_);
+    return;
+  }
+  // Each run of rows with the same horizon takes P V over the tokens it sees only (a prefix of the
+  // tile: pos ascends), so a hidden token's NaN or inf does not reach it through 0 * V.
+  for (int m0 = 0; m0 < M_;) {
+    int m1 = m0 + 1;
+    while (m1 < M_ && visible_until[m1] == visible_until[m0]) ++m1;
+    int seen = 0;
+    while (seen < T && pos[seen] <= visible_until[m0]) ++seen;
+    if (seen > 0) {
+      k.pv(s_.data() + static_cast<int64_t>(m0) * kTileTokens, kTileTokens, m1 - m0, rows,
+           kRowPitch, seen, d_v_, o_row(m0), d_v_);
+    }
+    m0 = m1;
+  }
 }
 
 void finish_row(const Kernels& k, const float* o, float max2, float sum, int d_v, const float* sink,

@@ -20,6 +20,7 @@
 #include "reference/reference.h"
 #include "reference/testdata.h"
 #include "sparse_mla/sparse_mla.h"
+#include "tests/cpp/dense_cases.h"
 #include "tests/cpp/test_seed.h"
 
 namespace sparse_mla {
@@ -193,6 +194,21 @@ TEST(CpuDenseDecodeCorners, EmptyShortAndOverlongRequests) {
       EXPECT_EQ(c.lse.get({1, 0, 1}) == kInf, causal);
       EXPECT_NE(c.lse.get({1, 0, 2}), kInf);
     }
+  }
+}
+
+// NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
+// them: the tile they share with visible tokens used to carry them into the others as 0 * NaN.
+TEST(CpuDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
+  for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
+    ref::DenseCaseConfig cfg = dense_cases::nan_past_horizon_config(format, 8, 53);
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::DenseCase c = ref::make_dense_case(cfg);
+    dense_cases::feed_nan_past_horizon(c);
+    const ref::CompareResult res = run_and_compare(c);
+    EXPECT_TRUE(res.ok) << res.summary();
+    dense_cases::expect_nan_only_past_horizon(c);
   }
 }
 

@@ -45,8 +45,10 @@ namespace sparse_mla::cuda::sm90 {
 
 using smxx::decode::all_tokens_visible;
 using smxx::decode::DecodeParams;
+using smxx::decode::finite_or_zero;
 using smxx::decode::Fmt;
 using smxx::decode::FormatTraits;
+using smxx::decode::hidden_tail;
 using smxx::decode::next_max;
 using smxx::decode::PairInfo;
 using smxx::decode::part_holds;
@@ -222,6 +224,8 @@ struct Sm90Cta {
   static constexpr int kPReadyBarrier = 1;    // P and the rescale factors written
   static constexpr int kEpilogueBarrier = 2;  // a pair's end: the output factors written
   static constexpr int kNarrowBarrier = 3;    // narrow: consumer 0's warps (column maxima, sums)
+  static constexpr int kTailBarrier0 = 4;     // consumer 0's / 1's warps around clean_tail
+  static constexpr int kTailBarrier1 = 5;
   static constexpr int kDV = smxx::decode::kDV;
   static constexpr int kDimsS = Cfg::kDimsS;  // output dims [0, kDimsS) are consumer 0's
 
@@ -734,6 +738,27 @@ struct Sm90Cta {
     mbar_wait(q_full_bar(), cur.seg & 1);
   }
 
+  // A consumer's dims [d0, d1) (multiples of 64) of the causal tail's V in stage st made finite
+  // before its P V (hidden_tail): after its warpgroup's Q K^T reads of the tile (barrier `bar`,
+  // the warpgroup's 128 threads), and before its wgmma reads (async proxy). Its token rows are
+  // 128 contiguous bytes in each 64-dim block, so the swizzle does not matter here.
+  __device__ void clean_tail(const TileCursor<kT>& cur, int st, int d0, int d1, int wt,
+                             int bar) const {
+    const int2 tail = hidden_tail(p, cur.len, cur.k * kT, kT);
+    if (tail.x >= tail.y) return;
+    ptx::named_barrier(bar, 128);
+    const int token_chunks = (d1 - d0) / 8;
+#pragma unroll 1
+    for (int u = wt; u < (tail.y - tail.x) * token_chunks; u += 128) {
+      const int t = tail.x + u / token_chunks, c = d0 / 8 + u % token_chunks;
+      uint4* chunk = reinterpret_cast<uint4*>(tile_smem(st) + (c / 8) * Cfg::kBlockBytes +
+                                              t * 128 + (c % 8) * 16);
+      *chunk = finite_or_zero<kHalf>(*chunk);
+    }
+    fence_proxy_async();
+    ptx::named_barrier(bar, 128);
+  }
+
   // A B^T over the d_qk dims, both operands K-major in 64-dim blocks of kABlock / kBBlock bytes:
   // S = Q K^T, or for narrow CTAs S^T = K Q^T.
   template <bool kF16, int kN, int kABlock, int kBBlock>
@@ -891,6 +916,7 @@ struct Sm90Cta {
         alpha[r_lo + 8] = row_alpha[1];
       }
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
+      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0);
 
       rescale_o(cur, o, row_alpha);
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
@@ -936,6 +962,7 @@ struct Sm90Cta {
       mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
+      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1);
       const float row_alpha[2] = {alpha[r_lo], alpha[r_lo + 8]};
       rescale_o(cur, o, row_alpha);
       // P one k-step at a time into registers (all kT / 16 would not fit next to the 192
@@ -1301,6 +1328,7 @@ struct Sm90Cta {
       fence_proxy_async();
       ptx::named_barrier(kNarrowBarrier, 128);  // all of P^T written before this warpgroup's wgmma
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
+      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0);
 
       narrow_rescale(cur, o, alpha);
       narrow_pv(o, 0, st, cur.first());
@@ -1323,6 +1351,7 @@ struct Sm90Cta {
       mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
+      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1);
       float alpha[kNarrowCols];
 #pragma unroll
       for (int jc = 0; jc < kNarrowCols; ++jc) alpha[jc] = narrow_alpha()[narrow_col(lane, jc)];

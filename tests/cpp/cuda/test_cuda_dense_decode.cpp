@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tests/cpp/cuda/decode_util.h"
+#include "tests/cpp/dense_cases.h"
 
 namespace sparse_mla {
 namespace {
@@ -286,6 +287,26 @@ TEST(CudaDenseDecodeCorners, PlanOfALargerCallStaysInBounds) {
   decode_test::expect_second_half_poisoned(db, "the plan of a larger call");
 }
 
+// NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
+// them (not the others through 0 * V in the tile they share): every format, both kernel widths.
+TEST(CudaDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
+    for (int64_t h_q : {8, 128}) {
+      ref::DenseCaseConfig cfg = dense_cases::nan_past_horizon_config(format, h_q, 64);
+      cfg.seed = test_seed();
+      SCOPED_TRACE("h_q " + std::to_string(h_q) + " SPARSE_MLA_TEST_SEED=" +
+                   std::to_string(cfg.seed));
+      ref::DenseCase c = ref::make_dense_case(cfg);
+      dense_cases::feed_nan_past_horizon(c);
+      check_case(c);
+      dense_cases::expect_nan_only_past_horizon(c);
+    }
+  }
+}
+
+// Block-table entries outside [0, num_pages) make their tokens absent and are never read;
+// requests with no token left give out 0 and lse +inf.
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {
   SKIP_WITHOUT_GPU();
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kModel1}) {

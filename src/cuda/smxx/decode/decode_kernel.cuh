@@ -57,6 +57,25 @@ __device__ __forceinline__ bool token_visible(Bits vmask, int col, int pos0, con
   return ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
 }
 
+// Causal dense decode: the last s_q - 1 tokens of a request (from len - s_q + 1 on) are hidden
+// from its first query tokens, whose P is 0 there, but 0 * V is NaN where V is inf or NaN. So
+// before a tile's P V, the V values of those tokens that are not finite are set to 0; the query
+// tokens that see such a token keep its non-finite logit (Q K^T has read the tile by then). The
+// tile's tokens [x, y) to clean: empty (x >= y) for all other tiles and calls.
+__device__ __forceinline__ int2 hidden_tail(const DecodeParams& p, int len, int pos0, int tile) {
+  if (!(p.dense && p.causal)) return make_int2(0, 0);
+  return make_int2(max(len - p.s_q + 1, pos0) - pos0, min(len, pos0 + tile) - pos0);
+}
+
+// A 16-byte chunk of 16-bit values (fp16 where kHalf, else bf16) with the inf and NaN ones
+// set to 0.
+template <bool kHalf>
+__device__ __forceinline__ uint4 finite_or_zero(uint4 v) {
+  constexpr uint32_t kExp = kHalf ? 0x7c007c00u : 0x7f807f80u;  // two all-ones exponents
+  const auto fix = [](uint32_t w) { return w & ~__vcmpeq2(w & kExp, kExp); };
+  return make_uint4(fix(v.x), fix(v.y), fix(v.z), fix(v.w));
+}
+
 // A CTA's walk over its part [begin, end) of the cost line, shared by the portable and Hopper
 // kernels: whether the part holds tile `tile` of the pair at place `pr` of the line, and the end of
 // its tiles of that pair.
@@ -356,16 +375,16 @@ struct DecodeCta {
       if constexpr (Tr::kFP8) __syncthreads();
       if (t + kPD < n) issue_tile(t + kPD);
       ptx::cp_async_commit();
-      compute_tile(t, (k0 + t) * kT, lim, o, m, l);
+      compute_tile(t, (k0 + t) * kT, info.len, lim, o, m, l);
     }
 
     epilogue(pr, i, sq, p.pairs[pr], o, m, l);
     __syncthreads();  // Q / staging / rings are reused by the next segment
   }
 
-  __device__ void compute_tile(int t, int pos0, const int (&lim)[2], float (&o)[Cfg::kPVTiles][4],
-                               float (&m)[2], float (&l)[2]) {
-    const uint8_t* kt = Tr::kFP8 ? tile_smem() : stage_smem(t);
+  __device__ void compute_tile(int t, int pos0, int len, const int (&lim)[2],
+                               float (&o)[Cfg::kPVTiles][4], float (&m)[2], float (&l)[2]) {
+    uint8_t* kt = Tr::kFP8 ? tile_smem() : stage_smem(t);  // (the causal tail is cleaned below)
     const uint8_t* qs = q_smem();
 
     // S partial over this warp's d_qk slice.
@@ -464,6 +483,17 @@ struct DecodeCta {
         o[nt][2] *= alpha[1];
         o[nt][3] *= alpha[1];
       }
+    }
+
+    const int2 tail = hidden_tail(p, len, pos0, kT);
+    if (tail.x < tail.y) {
+      __syncthreads();  // every warp's Q K^T has read the tile
+      constexpr int kVChunks = kDV / 8;
+      for (int u = tid; u < (tail.y - tail.x) * kVChunks; u += kThreads) {
+        uint4* chunk = reinterpret_cast<uint4*>(kt) + swz(tail.x + u / kVChunks, u % kVChunks, kTC);
+        *chunk = finite_or_zero<kHalf>(*chunk);
+      }
+      __syncthreads();
     }
 
     // O += P V over this warp's output slice; V = the first 512 dims of the tile.
