@@ -163,18 +163,21 @@ class Arrays {
     return cache(obj, name, false);
   }
 
-  // Pointer and size in bytes of a workspace buffer (any dtype, contiguous), or none.
-  std::pair<void*, size_t> buffer(nb::handle obj, const char* name) {
+  // Pointer and size in bytes of a workspace buffer (any dtype, contiguous) on `device` (the
+  // library sees only the pointer), or none.
+  std::pair<void*, size_t> buffer(nb::handle obj, const char* name, Device device) {
     if (obj.is_none()) return {nullptr, 0};
     if (is_descriptor(obj)) {
       TensorView t = descriptor(obj, name);
       if (!t.is_contiguous())
         throw nb::value_error((std::string(name) + ": not contiguous").c_str());
+      check_buffer_device(t.device, device, name);
       return {t.data, static_cast<size_t>(t.numel()) * dtype_size(t.dtype)};
     }
     nb::ndarray<> a;
     if (!nb::try_cast(obj, a, false)) not_an_array(obj, name, true);
     if (!is_contiguous(a)) throw nb::value_error((std::string(name) + ": not contiguous").c_str());
+    check_buffer_device(device_of(a, name), device, name);
     std::pair<void*, size_t> r{a.data(), a.nbytes()};
     outputs_.push_back(std::move(a));
     return r;
@@ -225,6 +228,29 @@ class Arrays {
     return t;
   }
 
+  static void check_buffer_device(Device actual, Device expected, const char* name) {
+    if (actual == expected) return;
+    throw nb::value_error((std::string(name) + ": on " + device_name(actual) + ", expected " +
+                           device_name(expected) + " (the device of q)")
+                              .c_str());
+  }
+
+  template <typename A>
+  static Device device_of(const A& a, const char* name) {
+    switch (a.device_type()) {
+      case nb::device::cpu::value:
+      case nb::device::cuda_host::value:
+        return {DeviceType::kCPU, 0};
+      case nb::device::cuda::value:
+      case nb::device::cuda_managed::value:
+        return {DeviceType::kCUDA, static_cast<int>(a.device_id())};
+      default:
+        throw nb::type_error((std::string(name) + ": DLPack device type " +
+                              std::to_string(a.device_type()) + ", expected CPU or CUDA memory")
+                                 .c_str());
+    }
+  }
+
   template <typename A>
   static bool is_contiguous(const A& a) {
     if (a.size() == 0) return true;  // nothing addressed (numpy 2 gives such arrays 0 strides)
@@ -251,20 +277,7 @@ class Arrays {
                             "int32, uint8 or float8_e4m3fn (uint16 = bfloat16 bits)")
                                .c_str());
     }
-    switch (a.device_type()) {
-      case nb::device::cpu::value:
-      case nb::device::cuda_host::value:
-        t.device = {DeviceType::kCPU, 0};
-        break;
-      case nb::device::cuda::value:
-      case nb::device::cuda_managed::value:
-        t.device = {DeviceType::kCUDA, static_cast<int>(a.device_id())};
-        break;
-      default:
-        throw nb::type_error((std::string(name) + ": DLPack device type " +
-                              std::to_string(a.device_type()) + ", expected CPU or CUDA memory")
-                                 .c_str());
-    }
+    t.device = device_of(a, name);
     t.data = const_cast<void*>(static_cast<const void*>(a.data()));
     t.dtype = *dtype;
     t.ndim = static_cast<int>(a.ndim());
@@ -362,10 +375,10 @@ void build_dense(DenseCall& c, nb::handle q, nb::handle k_cache, nb::handle bloc
   }
 }
 
-Workspace make_workspace(Arrays& arr, nb::handle plan, nb::handle scratch) {
+Workspace make_workspace(Arrays& arr, nb::handle plan, nb::handle scratch, Device device) {
   Workspace ws;
-  std::tie(ws.plan, ws.plan_bytes) = arr.buffer(plan, "plan");
-  std::tie(ws.scratch, ws.scratch_bytes) = arr.buffer(scratch, "scratch");
+  std::tie(ws.plan, ws.plan_bytes) = arr.buffer(plan, "plan", device);
+  std::tie(ws.scratch, ws.scratch_bytes) = arr.buffer(scratch, "scratch", device);
   return ws;
 }
 
@@ -404,7 +417,7 @@ std::tuple<bool, std::string, std::string> decode_supported(Build&& build,
 template <typename Call>
 void decode_plan(Call& c, nb::handle plan, nb::handle scratch, const std::string& backend,
                  uintptr_t stream) {
-  Workspace ws = make_workspace(c.arrays, plan, scratch);
+  Workspace ws = make_workspace(c.arrays, plan, scratch, c.args.q.device);
   Options o = make_options(backend, stream);
   nb::gil_scoped_release release;
   check(Call::plan(c.args, ws, o));
@@ -414,13 +427,14 @@ template <typename Call>
 void decode_run(Call& c, nb::handle plan, nb::handle scratch, nb::handle allocate,
                 const std::string& backend, uintptr_t stream) {
   Options o = make_options(backend, stream);
-  Workspace ws = make_workspace(c.arrays, plan, scratch);
+  Workspace ws = make_workspace(c.arrays, plan, scratch, c.args.q.device);
   if (plan.is_none() && scratch.is_none() && !allocate.is_none()) {
     // One call does size, allocate, plan and run (one import of the arrays).
     WorkspaceSizes sizes;
     check(Call::workspace_size(c.args, o, &sizes));
     if (sizes.plan_bytes != 0 || sizes.scratch_bytes != 0) {
-      ws = make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes));
+      ws = make_workspace(c.arrays, allocate(sizes.plan_bytes), allocate(sizes.scratch_bytes),
+                          c.args.q.device);
       nb::gil_scoped_release release;
       check(Call::plan(c.args, ws, o));
     }

@@ -194,6 +194,23 @@ def test_cuda_graph_with_the_native_plan_run_split():
     assert_close(out, lse, *reference_of(p))
 
 
+def test_workspace_on_another_device_is_refused():
+    # The library sees only the workspace's pointers: a host buffer with CUDA arrays would fault
+    # in the kernels, so the extension checks where the buffers live.
+    p = sparse_problem(610, b=2, s_q=1, h_q=16, topk=64, ps=64, pages=4)
+    kw = gpu_kwargs(p)
+    q, cache, idx = kw.pop("q"), kw.pop("k_cache"), kw.pop("indices")
+    sizes = sm.sparse_decode_workspace_size(q, cache, idx, **kw)
+    on_device = torch.empty(sizes.scratch_bytes, dtype=torch.uint8, device=DEV)
+    refused = r"plan: on cpu, expected cuda:0 \(the device of q\)"
+    for host_plan in (torch.empty(sizes.plan_bytes, dtype=torch.uint8),
+                      np.empty(sizes.plan_bytes, np.uint8)):
+        ws = sm.Workspace(host_plan, on_device)
+        for call in (sm.sparse_decode_plan, sm.sparse_decode):
+            with pytest.raises(ValueError, match=refused):
+                call(q, cache, idx, workspace=ws, **kw)
+
+
 def test_torch_compile_on_gpu():
     p = sparse_problem(700, b=2, s_q=2, h_q=16, topk=64, ps=64, pages=3)
     kw = gpu_kwargs(p)
