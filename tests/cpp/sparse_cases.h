@@ -59,8 +59,8 @@ inline void PrintTo(const NamedCase& c, std::ostream* os) { *os << c.name; }  //
 
 // NaN fed two ways, which every backend must carry to the rows fed and only to them: into q
 // (request 0, head 3: every logit of that row) and into a referenced row's rope dims (request 1,
-// query token 0: its first 64 entries name that one slot, so its first tiles hold only NaN logits;
-// the rest are finite rows). Needs b >= 2, h_q >= 4, topk > 64, and the format's rope in bf16.
+// query token 0: its first 64 entries name that one slot, which no other list names, so its first
+// tiles hold only NaN logits; the rest are finite rows). Needs b >= 2, h_q >= 4 and topk > 64.
 inline void feed_nan(ref::SparseCase& c) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   c.q.set({0, 0, 3, 7}, nan);
@@ -70,6 +70,14 @@ inline void feed_nan(ref::SparseCase& c) {
   for (float& v : row) v = static_cast<float>(rng.uniform(-0.1, 0.1));
   for (size_t d = row.size() - 64; d < row.size(); ++d) row[d] = std::numeric_limits<float>::quiet_NaN();
   ref::write_row(c.kv, slot, 0, row.data());
+  // Only request 1's query token 0 names that slot (random lists may share slots).
+  for (int64_t i = 0; i < c.config.b; ++i) {
+    for (int64_t s = 0; s < c.config.s_q; ++s) {
+      for (int64_t k = 0; k < c.config.topk; ++k) {
+        if (c.indices.get({i, s, k}) == static_cast<double>(slot)) c.indices.set({i, s, k}, -1.0);
+      }
+    }
+  }
   for (int64_t k = 0; k < 64; ++k) c.indices.set({1, 0, k}, static_cast<double>(slot));
 }
 

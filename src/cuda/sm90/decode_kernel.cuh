@@ -209,7 +209,10 @@ struct TileCursor {
   }
 };
 
-template <Fmt F, int kRowsArg>
+// kCausalTail: the kernel for causal dense calls with s_q > 1, which cleans the causal tail's V
+// (clean_tail); the others go without that code, which cost them 1-2% where it only sat in the
+// consumers' loops (H200, session 66).
+template <Fmt F, int kRowsArg, bool kCausalTail>
 struct Sm90Cta {
   using Cfg = Sm90Config<F, kRowsArg>;
   using Tr = FormatTraits<F>;
@@ -744,6 +747,7 @@ struct Sm90Cta {
   // 128 contiguous bytes in each 64-dim block, so the swizzle does not matter here.
   __device__ void clean_tail(const TileCursor<kT>& cur, int st, int d0, int d1, int wt,
                              int bar) const {
+    if constexpr (!kCausalTail) return;
     const int2 tail = hidden_tail(p, cur.len, cur.k * kT, kT);
     if (tail.x >= tail.y) return;
     ptx::named_barrier(bar, 128);
@@ -1508,7 +1512,7 @@ struct Sm90Cta {
 
 #endif  // SPARSE_MLA_SM90_DEVICE
 
-template <Fmt F, int kRowsArg>
+template <Fmt F, int kRowsArg, bool kCausalTail>
 __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
     sm90_decode_kernel(const __grid_constant__ DecodeParams p,
                        const __grid_constant__ CUtensorMap kv_map, int kv_tma) {
@@ -1519,7 +1523,7 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = ptx::smem_addr(smem_raw);
   uint8_t* smem = smem_raw + ((1024 - (base & 1023)) & 1023);
-  Sm90Cta<F, kRowsArg> cta{p, smem};
+  Sm90Cta<F, kRowsArg, kCausalTail> cta{p, smem};
   cta.kv_map = kv_tma ? &kv_map : nullptr;
   cta.kv_policy = ptx::l2_policy(p.rows_per_group <= Cfg::kRows);
   // sm90_grid: row blocks along x, parts along y.

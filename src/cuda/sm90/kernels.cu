@@ -17,11 +17,12 @@
 namespace sparse_mla::cuda::sm90 {
 namespace {
 
-template <Fmt F, int kRows = 64>
-smxx::decode::KernelEntry entry() {
+template <Fmt F, int kRows>
+smxx::decode::KernelEntry entry(bool causal_tail) {
   using Cfg = Sm90Config<F, kRows>;
-  return smxx::decode::KernelEntry{reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows>),
-                                   Cfg::kThreads, Cfg::kSmemBytes, Cfg::kT, Cfg::kRows};
+  const void* fn = causal_tail ? reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, true>)
+                               : reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, false>);
+  return smxx::decode::KernelEntry{fn, Cfg::kThreads, Cfg::kSmemBytes, Cfg::kT, Cfg::kRows};
 }
 
 // The driver's tensor-map encoder, looked up once through the runtime (no link against libcuda).
@@ -113,7 +114,7 @@ bool query_usable(int device, std::string* why_not) {
   cudaGetDevice(&old);
   if (old != device) cudaSetDevice(device);
   cudaFuncAttributes attr{};
-  err = cudaFuncGetAttributes(&attr, sm90_decode_kernel<Fmt::kModel1, 64>);
+  err = cudaFuncGetAttributes(&attr, sm90_decode_kernel<Fmt::kModel1, 64, false>);
   if (old != device) cudaSetDevice(old);
   if (err != cudaSuccess) {
     *why_not = std::string("cudaFuncGetAttributes: ") + cudaGetErrorString(err);
@@ -128,22 +129,22 @@ bool query_usable(int device, std::string* why_not) {
   return true;
 }
 
-smxx::decode::KernelEntry kernel_entry(Fmt fmt) {
+smxx::decode::KernelEntry kernel_entry(Fmt fmt, bool causal_tail) {
   switch (fmt) {
-    case Fmt::kModel1: return entry<Fmt::kModel1>();
-    case Fmt::kV32: return entry<Fmt::kV32>();
-    case Fmt::kBF16: return entry<Fmt::kBF16>();
-    case Fmt::kFP16: return entry<Fmt::kFP16>();
+    case Fmt::kModel1: return entry<Fmt::kModel1, 64>(causal_tail);
+    case Fmt::kV32: return entry<Fmt::kV32, 64>(causal_tail);
+    case Fmt::kBF16: return entry<Fmt::kBF16, 64>(causal_tail);
+    case Fmt::kFP16: return entry<Fmt::kFP16, 64>(causal_tail);
   }
   return smxx::decode::KernelEntry{};
 }
 
-smxx::decode::KernelEntry narrow_kernel_entry(Fmt fmt) {
+smxx::decode::KernelEntry narrow_kernel_entry(Fmt fmt, bool causal_tail) {
   switch (fmt) {
     case Fmt::kModel1:
-      return entry<Fmt::kModel1, 16>();
+      return entry<Fmt::kModel1, 16>(causal_tail);
     case Fmt::kV32:
-      return entry<Fmt::kV32, 16>();
+      return entry<Fmt::kV32, 16>(causal_tail);
     default:
       return smxx::decode::KernelEntry{};
   }

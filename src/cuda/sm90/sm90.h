@@ -13,11 +13,12 @@
 
 namespace sparse_mla::cuda::sm90 {
 
-// The wgmma decode kernel for one KV format (64 query rows, 64-token tiles; MODEL1 48).
-smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt);
+// The wgmma decode kernel for one KV format (64 query rows, 64-token tiles; MODEL1 48); with
+// causal_tail, its form for causal dense calls with s_q > 1 (hidden_tail).
+smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt, bool causal_tail);
 // Its narrow form for FP8 formats (16 query rows, 64-token tiles: S^T = K Q^T); fn == nullptr for
 // the 16-bit formats.
-smxx::decode::KernelEntry narrow_kernel_entry(smxx::decode::Fmt fmt);
+smxx::decode::KernelEntry narrow_kernel_entry(smxx::decode::Fmt fmt, bool causal_tail);
 
 // Launches the kernel of shape.kernel (from kernel_entry) on the plan in params.
 Status launch_decode(const smxx::decode::DecodeShape& shape,

@@ -28,13 +28,13 @@ DeviceLimits hopper_limits(int max_smem_optin) {
 // rows or fewer, else the 64-row kernel.
 KernelEntry hopper_entry(Fmt fmt, int64_t rows) {
   const bool narrow = rows <= 16 && (fmt == Fmt::kModel1 || fmt == Fmt::kV32);
-  return narrow ? sm90::narrow_kernel_entry(fmt) : sm90::kernel_entry(fmt);
+  return narrow ? sm90::narrow_kernel_entry(fmt, false) : sm90::kernel_entry(fmt, false);
 }
 
 // A batch large enough that no small-batch rule applies: 128 token lists of 2048 tokens.
 KernelPick pick_big_batch(Fmt fmt, int64_t rows, bool sm90, const DeviceLimits& dev) {
   KernelPick pick;
-  const Status st = pick_decode_kernel(fmt, rows, 1, 128, 2048, sm90, dev, &pick);
+  const Status st = pick_decode_kernel(fmt, rows, 1, 128, 2048, sm90, false, dev, &pick);
   EXPECT_TRUE(st.ok()) << fmt_name(fmt) << " rows " << rows << ": " << st.to_string();
   return pick;
 }
@@ -94,14 +94,14 @@ TEST_F(DecodeKernelPick, PickFitsTheDevice) {
       for (bool sm90 : {true, false}) {
         const DeviceLimits dev = hopper_limits(limit);
         KernelPick pick;
-        const Status st = pick_decode_kernel(fmt, 64, 1, 128, 2048, sm90, dev, &pick);
+        const Status st = pick_decode_kernel(fmt, 64, 1, 128, 2048, sm90, false, dev, &pick);
         const std::string where = std::string(fmt_name(fmt)) + " limit " + std::to_string(limit) +
                                   (sm90 ? " sm90" : " portable");
         int first_fit = -1;
         for (int c = 0; c < 4 && first_fit < 0; ++c) {
           if (kernel_entry(fmt, order[c]).smem_bytes <= limit) first_fit = c;
         }
-        if (first_fit < 0 && !(sm90 && sm90::kernel_entry(fmt).smem_bytes <= limit)) {
+        if (first_fit < 0 && !(sm90 && sm90::kernel_entry(fmt, false).smem_bytes <= limit)) {
           EXPECT_EQ(st.code(), StatusCode::kUnsupported) << where;
           continue;
         }
@@ -113,13 +113,32 @@ TEST_F(DecodeKernelPick, PickFitsTheDevice) {
   }
 }
 
+// A causal dense call with s_q > 1 gets the Hopper kernel's form that cleans the causal tail,
+// every other call the form without that code (its own kernel, same shape and resources).
+TEST_F(DecodeKernelPick, CausalTailFormOnlyWhereAsked) {
+  for (Fmt fmt : kFmts) {
+    for (int64_t rows : {64, 16}) {
+      for (bool causal_tail : {false, true}) {
+        KernelPick pick;
+        ASSERT_TRUE(pick_decode_kernel(fmt, rows, 1, 128, 2048, true, causal_tail,
+                                       hopper_limits(232448), &pick)
+                        .ok());
+        const KernelEntry plain = hopper_entry(fmt, rows);
+        EXPECT_EQ(pick.kernel.fn == plain.fn, !causal_tail) << fmt_name(fmt) << " rows " << rows;
+        EXPECT_EQ(pick.kernel.smem_bytes, plain.smem_bytes);
+        EXPECT_EQ(pick.kernel.rows_per_cta, plain.rows_per_cta);
+      }
+    }
+  }
+}
+
 // A device whose shared memory fits no configuration gets an Unsupported error that names the
 // format and the bytes the device grants.
 TEST_F(DecodeKernelPick, NothingFitsIsAnError) {
   for (Fmt fmt : kFmts) {
     KernelPick pick;
     const Status st =
-        pick_decode_kernel(fmt, 64, 1, 128, 2048, true, hopper_limits(4096), &pick);
+        pick_decode_kernel(fmt, 64, 1, 128, 2048, true, false, hopper_limits(4096), &pick);
     EXPECT_EQ(st.code(), StatusCode::kUnsupported) << std::string(fmt_name(fmt));
     EXPECT_NE(st.message().find(std::string(fmt_name(fmt))), std::string::npos) << st.message();
     EXPECT_NE(st.message().find("4096 bytes"), std::string::npos) << st.message();

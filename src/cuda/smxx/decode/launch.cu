@@ -100,7 +100,8 @@ KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
 }
 
 Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                          int64_t max_len, bool sm90, const DeviceLimits& dev, KernelPick* pick) {
+                          int64_t max_len, bool sm90, bool causal_tail, const DeviceLimits& dev,
+                          KernelPick* pick) {
   // Fewest padded rows first (a CTA's K tile is dequantized once for all its rows), then the
   // largest tiles that fit the device's shared memory.
   const TileCfg big[] = {TileCfg::kH64T32, TileCfg::kH32T32, TileCfg::kH16T32, TileCfg::kH16T16};
@@ -178,7 +179,8 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
   // configuration picked above in place.
   bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
   if (use_sm90) {
-    const KernelEntry hopper = wide ? sm90::kernel_entry(fmt) : sm90::narrow_kernel_entry(fmt);
+    const KernelEntry hopper = wide ? sm90::kernel_entry(fmt, causal_tail)
+                                   : sm90::narrow_kernel_entry(fmt, causal_tail);
     if (hopper.smem_bytes <= dev.max_smem_optin) {
       k = hopper;
     } else {
@@ -198,8 +200,8 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
 }
 
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, bool sm90, int device,
-                         DecodeShape* shape) {
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, bool causal_tail,
+                         int device, DecodeShape* shape) {
   if (num_pairs > kMaxTokenLists) {
     return Status::Unsupported("cuda decode: " + std::to_string(num_pairs) +
                                " token lists (sparse: b * s_q, dense: b), at most " +
@@ -208,8 +210,8 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   DeviceLimits dev;
   SPARSE_MLA_RETURN_IF_ERROR(device_limits(device, &dev));
   KernelPick pick;
-  Status picked = pick_decode_kernel(fmt, rows_per_group, groups, num_pairs, max_len, sm90, dev,
-                                     &pick);
+  Status picked = pick_decode_kernel(fmt, rows_per_group, groups, num_pairs, max_len, sm90,
+                                     causal_tail, dev, &pick);
   if (!picked.ok()) {
     return Status(picked.code(), picked.message() + " of device " + std::to_string(device));
   }
