@@ -742,24 +742,31 @@ struct Sm90Cta {
   }
 
   // A consumer's dims [d0, d1) (multiples of 64) of the causal tail's V in stage st made finite
-  // before its P V (hidden_tail): after its warpgroup's Q K^T reads of the tile (barrier `bar`,
-  // the warpgroup's 128 threads), and before its wgmma reads (async proxy). Its token rows are
-  // 128 contiguous bytes in each 64-dim block, so the swizzle does not matter here.
-  __device__ void clean_tail(const TileCursor<kT>& cur, int st, int d0, int d1, int wt,
-                             int bar) const {
+  // before its P V (hidden_tail), once every Q K^T read of the tile is done: `synced` where a
+  // barrier already says so (consumer 1 after kPReadyBarrier, narrow consumer 0 after its P^T
+  // barrier), else barrier `bar` (the warpgroup's 128 threads) first. Only chunks that change are
+  // written, and only their writers fence them for the async proxy (wgmma) before the barrier
+  // after. A token row is 128 contiguous bytes in each 64-dim block: the swizzle does not matter.
+  __device__ void clean_tail(const TileCursor<kT>& cur, int st, int d0, int d1, int wt, int bar,
+                             bool synced) const {
     if constexpr (!kCausalTail) return;
     const int2 tail = hidden_tail(p, cur.len, cur.k * kT, kT);
     if (tail.x >= tail.y) return;
-    ptx::named_barrier(bar, 128);
+    if (!synced) ptx::named_barrier(bar, 128);
     const int token_chunks = (d1 - d0) / 8;
+    bool wrote = false;
 #pragma unroll 1
     for (int u = wt; u < (tail.y - tail.x) * token_chunks; u += 128) {
       const int t = tail.x + u / token_chunks, c = d0 / 8 + u % token_chunks;
       uint4* chunk = reinterpret_cast<uint4*>(tile_smem(st) + (c / 8) * Cfg::kBlockBytes +
                                               t * 128 + (c % 8) * 16);
-      *chunk = finite_or_zero<kHalf>(*chunk);
+      const uint4 v = *chunk, f = finite_or_zero<kHalf>(v);
+      if (f.x != v.x || f.y != v.y || f.z != v.z || f.w != v.w) {
+        *chunk = f;
+        wrote = true;
+      }
     }
-    fence_proxy_async();
+    if (wrote) fence_proxy_async();
     ptx::named_barrier(bar, 128);
   }
 
@@ -920,7 +927,7 @@ struct Sm90Cta {
         alpha[r_lo + 8] = row_alpha[1];
       }
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
-      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0);
+      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0, false);
 
       rescale_o(cur, o, row_alpha);
       const uint32_t t_addr = ptx::smem_addr(tile_smem(st));
@@ -966,7 +973,7 @@ struct Sm90Cta {
       mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
-      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1);
+      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1, true);
       const float row_alpha[2] = {alpha[r_lo], alpha[r_lo + 8]};
       rescale_o(cur, o, row_alpha);
       // P one k-step at a time into registers (all kT / 16 would not fit next to the 192
@@ -1332,7 +1339,7 @@ struct Sm90Cta {
       fence_proxy_async();
       ptx::named_barrier(kNarrowBarrier, 128);  // all of P^T written before this warpgroup's wgmma
       ptx::named_barrier_arrive(kPReadyBarrier, 256);
-      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0);
+      clean_tail(cur, st, 0, kDimsS, wt, kTailBarrier0, true);
 
       narrow_rescale(cur, o, alpha);
       narrow_pv(o, 0, st, cur.first());
@@ -1355,7 +1362,7 @@ struct Sm90Cta {
       mbar_wait(full_bar(st), (it / Cfg::kStages) & 1);
       fence_proxy_async();
       ptx::named_barrier(kPReadyBarrier, 256);
-      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1);
+      clean_tail(cur, st, kDimsS, kDV, wt, kTailBarrier1, true);
       float alpha[kNarrowCols];
 #pragma unroll
       for (int jc = 0; jc < kNarrowCols; ++jc) alpha[jc] = narrow_alpha()[narrow_col(lane, jc)];
