@@ -345,7 +345,7 @@ class Model {
     for (int d = 0; d < t.ndim; ++d) {
       require(t.shape[d] >= 0 && t.shape[d] <= kMaxExtent, n + ": extent");
       require(w.shape[d] == kAnyExtent || t.shape[d] == w.shape[d], n + ": shape");
-      require(t.strides[d] >= 0, n + ": negative stride");
+      require(t.shape[d] <= 1 || t.strides[d] >= 0, n + ": negative stride");
       empty |= t.shape[d] == 0;
     }
     if (!ok()) return;

@@ -71,10 +71,11 @@ Status check_tensor(const TensorView& t, const TensorSpec& spec) {
     return Status::InvalidArgument(name + ": data pointer is not " + std::to_string(align) +
                                    "-byte aligned");
   }
-  // Largest element offset must fit comfortably; strides must be non-negative.
+  // Largest element offset must fit comfortably; strides must be non-negative where they step
+  // (a dim of extent 0 or 1 only ever has index 0, so its stride is never used).
   int64_t max_offset = 0;
   for (int d = 0; d < rank; ++d) {
-    if (t.strides[d] < 0) {
+    if (t.shape[d] > 1 && t.strides[d] < 0) {
       return Status::InvalidArgument(name + ": stride " + std::to_string(d) + " is " +
                                      std::to_string(t.strides[d]) + ", expected >= 0");
     }

@@ -43,7 +43,7 @@ Status kv_cache_from_tensor(const TensorView& t, const char* arg, KVCache* cache
       return Status::InvalidArgument(name + ": dim " + std::to_string(d) + " is " +
                                      std::to_string(t.shape[d]) + ", expected 0..2147483647");
     }
-    if (t.strides[d] < 0 || t.strides[d] > (int64_t{1} << 48)) {
+    if (t.shape[d] > 1 && (t.strides[d] < 0 || t.strides[d] > (int64_t{1} << 48))) {
       return Status::InvalidArgument(name + ": stride " + std::to_string(d) + " is " +
                                      std::to_string(t.strides[d]) + ", expected 0..2^48");
     }

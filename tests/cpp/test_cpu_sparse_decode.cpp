@@ -152,6 +152,27 @@ TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
   sparse_cases::expect_nan_where_fed(c);
 }
 
+// A dim of extent 1 only ever has index 0, so its stride is never used: a negative one (numpy's
+// a[::-1] on such a dim) is accepted and changes nothing.
+TEST(CpuSparseDecodeCorners, SizeOneDimsMayHaveNegativeStrides) {
+  ref::SparseCaseConfig cfg = base(KVFormat::kModel1, 2, 1, 8, 40, 64);
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  c.poison_outputs();
+  SparseDecodeArgs args = c.args();
+  args.q.strides[1] = -12345;        // s_q = 1
+  args.indices.strides[1] = -77;
+  args.out.strides[1] = -3;
+  args.lse.strides[2] = -1;
+  const Status st = sparse_decode(args, Workspace{}, kCPU);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  const ref::CompareResult res =
+      ref::compare_outputs(c.out.view(), c.lse.view(), ref::sparse_decode_reference(c.args()),
+                           ref::Tolerance::sparse(c.config.value_scale_log2));
+  EXPECT_TRUE(res.ok) << res.summary();
+}
+
 // An empty batch whose tensors have all-zero strides (numpy 2's zero-size arrays) addresses
 // nothing and is accepted, whatever its layout would have been.
 TEST(CpuSparseDecodeCorners, EmptyBatchWithZeroStrides) {
