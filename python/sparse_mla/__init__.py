@@ -144,10 +144,9 @@ def available_backends() -> List[str]:
 
 def _sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache, extra_indices,
                    extra_topk_length, attn_sink, softmax_scale):
-    n = _arrays.native
-    return dict(q=n(q), k_cache=n(k_cache), indices=n(indices), topk_length=n(topk_length),
-                extra_k_cache=n(extra_k_cache), extra_indices=n(extra_indices),
-                extra_topk_length=n(extra_topk_length), attn_sink=n(attn_sink),
+    return dict(_arrays.natives(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length,
+                                extra_k_cache=extra_k_cache, extra_indices=extra_indices,
+                                extra_topk_length=extra_topk_length, attn_sink=attn_sink),
                 softmax_scale=softmax_scale)
 
 
@@ -197,8 +196,7 @@ def sparse_decode(q, k_cache, indices, *, topk_length=None, extra_k_cache=None,
     _ext.sparse_decode(**_sparse_inputs(q, k_cache, indices, topk_length, extra_k_cache,
                                         extra_indices, extra_topk_length, attn_sink,
                                         softmax_scale),
-                       out=_arrays.native(out), lse=_arrays.native(lse),
-                       plan=_arrays.native(plan), scratch=_arrays.native(scratch),
+                       **_arrays.natives(out=out, lse=lse, plan=plan, scratch=scratch),
                        allocate=None if workspace is not None else _allocator(q, on),
                        backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
@@ -232,8 +230,8 @@ def sparse_decode_plan(q, k_cache, indices, *, topk_length=None, extra_k_cache=N
     if workspace is None:
         sizes = _ext.sparse_decode_workspace_size(**inputs, backend=_backend(backend))
         workspace = _new_workspace(q, WorkspaceSizes(*sizes), _explicit_stream(q, stream))
-    _ext.sparse_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
-                            scratch=_arrays.native(workspace.scratch),
+    _ext.sparse_decode_plan(**inputs,
+                            **_arrays.natives(plan=workspace.plan, scratch=workspace.scratch),
                             backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return workspace
 
@@ -261,9 +259,9 @@ def _new_workspace(like, sizes: WorkspaceSizes, stream: Optional[int]) -> Worksp
 
 
 def _dense_inputs(q, k_cache, block_table, cache_seqlens, causal, softmax_scale):
-    n = _arrays.native
-    return dict(q=n(q), k_cache=n(k_cache), block_table=n(block_table),
-                cache_seqlens=n(cache_seqlens), causal=bool(causal), softmax_scale=softmax_scale)
+    return dict(_arrays.natives(q=q, k_cache=k_cache, block_table=block_table,
+                                cache_seqlens=cache_seqlens),
+                causal=bool(causal), softmax_scale=softmax_scale)
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, *, causal: bool = False,
@@ -287,8 +285,7 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, *, causal: bool = False
     plan, scratch = _workspace_args(workspace)
     _ext.dense_decode(**_dense_inputs(q, k_cache, block_table, cache_seqlens, causal,
                                       softmax_scale),
-                      out=_arrays.native(out), lse=_arrays.native(lse),
-                      plan=_arrays.native(plan), scratch=_arrays.native(scratch),
+                      **_arrays.natives(out=out, lse=lse, plan=plan, scratch=scratch),
                       allocate=None if workspace is not None else _allocator(q, on),
                       backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return _arrays.finish(q, out), _arrays.finish(q, lse)
@@ -314,8 +311,8 @@ def dense_decode_plan(q, k_cache, block_table, cache_seqlens, *, causal: bool = 
     if workspace is None:
         sizes = _ext.dense_decode_workspace_size(**inputs, backend=_backend(backend))
         workspace = _new_workspace(q, WorkspaceSizes(*sizes), _explicit_stream(q, stream))
-    _ext.dense_decode_plan(**inputs, plan=_arrays.native(workspace.plan),
-                           scratch=_arrays.native(workspace.scratch),
+    _ext.dense_decode_plan(**inputs,
+                           **_arrays.natives(plan=workspace.plan, scratch=workspace.scratch),
                            backend=_backend(backend), stream=_arrays.stream_for(q, stream))
     return workspace
 
@@ -366,9 +363,9 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
         out = _arrays.empty(out_parts, (b, s_q, h_q, d_v), dtype, on)
     if lse is None:
         lse = _arrays.lse_like(out_parts, b, s_q, h_q, on)
-    _ext.merge_attention(_arrays.native(out_parts), _arrays.native(lse_parts),
-                         attn_sink=_arrays.native(attn_sink), out=_arrays.native(out),
-                         lse=_arrays.native(lse),
+    _ext.merge_attention(_arrays.native(out_parts, "out_parts"),
+                         _arrays.native(lse_parts, "lse_parts"),
+                         **_arrays.natives(attn_sink=attn_sink, out=out, lse=lse),
                          backend=_backend(backend),
                          stream=_arrays.stream_for(out_parts, stream))
     return _arrays.finish(out_parts, out), _arrays.finish(out_parts, lse)
@@ -381,7 +378,8 @@ def quantize_store(src, slots, k_cache, *, backend: Optional[str] = None, stream
     if _is_compiling():
         _ops.quantize_store(src, slots, k_cache, backend=backend)
         return k_cache
-    _ext.quantize_store(_arrays.native(src), _arrays.native(slots), _arrays.native(k_cache),
+    _ext.quantize_store(_arrays.native(src, "src"), _arrays.native(slots, "slots"),
+                        _arrays.native(k_cache, "k_cache"),
                         backend=_backend(backend), stream=_arrays.stream_for(src, stream))
     return k_cache
 
@@ -405,7 +403,8 @@ def dequantize(k_cache, slots, *, out=None, dtype: str = "float32",
         _dtype_option(dtype, "dtype", ("float32", "bfloat16"))
         out = _arrays.empty(k_cache, (n, _cache_d_qk(k_cache)), dtype,
                             _explicit_stream(k_cache, stream))
-    _ext.dequantize(_arrays.native(k_cache), _arrays.native(slots), _arrays.native(out),
+    _ext.dequantize(_arrays.native(k_cache, "k_cache"), _arrays.native(slots, "slots"),
+                    _arrays.native(out, "out"),
                     backend=_backend(backend), stream=_arrays.stream_for(k_cache, stream))
     return _arrays.finish(k_cache, out)
 
@@ -418,7 +417,8 @@ def repack_pages(src, dst, src_block_table, dst_block_table, seqlens, *,
         _ops.repack_pages(src, dst, src_block_table, dst_block_table, seqlens, backend=backend)
         return dst
     n = _arrays.native
-    _ext.repack_pages(n(src), n(dst), n(src_block_table), n(dst_block_table), n(seqlens),
+    _ext.repack_pages(n(src, "src"), n(dst, "dst"), n(src_block_table, "src_block_table"),
+                      n(dst_block_table, "dst_block_table"), n(seqlens, "seqlens"),
                       backend=_backend(backend), stream=_arrays.stream_for(src, stream))
     return dst
 

@@ -62,22 +62,34 @@ def _torch_code(dtype: Any) -> Optional[int]:
     return code
 
 
-def native(x: Any) -> Any:
-    """The object handed to the extension. numpy arrays of ml_dtypes types (bfloat16,
-    float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy cannot export them. torch tensors
-    travel as (data_ptr, dtype code, shape, strides, device) descriptors: reading those is
-    several times cheaper than a DLPack export, and works for tensors that require grad."""
+def native(x: Any, name: str) -> Any:
+    """The object handed to the extension for argument `name`. numpy arrays of the ml_dtypes
+    types the library takes (bfloat16, float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy
+    cannot export them; other ml_dtypes types are refused by name (as raw bits some would pass for
+    uint8 caches, and numpy cannot export the others). torch tensors travel as (data_ptr, dtype code, shape, strides, device) descriptors:
+    reading those is several times cheaper than a DLPack export, and works for tensors that
+    require grad."""
     fw = framework(x)
     if fw == "numpy":
-        return x.view(_RAW_VIEW[x.dtype.itemsize]) if x.dtype.kind == "V" else x
+        if x.dtype.type.__module__ != "ml_dtypes":
+            return x
+        if x.dtype.name in ("bfloat16", "float8_e4m3fn"):
+            return x.view(_RAW_VIEW[x.dtype.itemsize])
+        raise TypeError(f"{name}: dtype {x.dtype.name}, expected one the library takes: "
+                        "bfloat16, float16, float32, int32, uint8 or float8_e4m3fn")
     if fw == "torch":
         if x.is_neg():  # its memory holds the values un-negated, DLPack exports them as such
-            raise ValueError("a torch tensor with the negative bit set (a lazy negation, e.g. "
-                             "from .conj().imag): pass tensor.resolve_neg()")
+            raise ValueError(f"{name}: a torch tensor with the negative bit set (a lazy negation, "
+                             "e.g. from .conj().imag): pass tensor.resolve_neg()")
         code = _torch_code(x.dtype)
         if code is not None and x.layout is _torch_strided() and (x.is_cuda or x.is_cpu):
             return (x.data_ptr(), code, x.shape, x.stride(), x.get_device(), _descriptor_tag())
     return x
+
+
+def natives(**arrays: Any) -> dict:
+    """native() of each keyword argument, by its name."""
+    return {name: native(x, name) for name, x in arrays.items()}
 
 
 _tag = None
@@ -205,7 +217,7 @@ def stack(parts: Sequence[Any], stream: Optional[int] = None) -> Any:
         if any(np.dtype(p.dtype) != first.dtype for p in parts):  # raw bits must not be mixed
             raise TypeError("out_parts: the parts have dtypes "
                             f"{sorted({np.dtype(p.dtype).name for p in parts})}, expected one")
-        return np.stack([native(p) for p in parts]).view(first.dtype)
+        return np.stack([native(p, "out_parts") for p in parts]).view(first.dtype)
     raise TypeError("out_parts: a sequence of arrays must hold numpy, torch or cupy arrays; "
                     f"got {type(first).__name__} (stack them into one [n, ...] array first)")
 

@@ -256,16 +256,15 @@ def _decode(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, indic
                       softmax_scale=softmax_scale)
         size, plan, run = (_ext.dense_decode_workspace_size, _ext.dense_decode_plan,
                            _ext.dense_decode)
-    native = _sm._arrays.native
-    inputs = {name: native(value) for name, value in inputs.items()}
+    natives = _sm._arrays.natives
+    inputs = natives(**inputs)
     plan_buf, scratch_buf = meta.tile_scheduler_metadata, meta.num_splits
     if plan_buf is None:
         plan_bytes, scratch_bytes = size(**inputs)
         plan_buf = torch.empty(plan_bytes, dtype=torch.uint8, device=q.device)
         scratch_buf = torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device)
-        plan(**inputs, plan=native(plan_buf), scratch=native(scratch_buf), stream=stream)
-    run(**inputs, out=native(out), lse=native(lse), plan=native(plan_buf),
-        scratch=native(scratch_buf), stream=stream)
+        plan(**inputs, **natives(plan=plan_buf, scratch=scratch_buf), stream=stream)
+    run(**inputs, **natives(out=out, lse=lse, plan=plan_buf, scratch=scratch_buf), stream=stream)
     meta.tile_scheduler_metadata, meta.num_splits = plan_buf, scratch_buf
     return out, lse
 

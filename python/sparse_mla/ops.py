@@ -128,12 +128,12 @@ def _sparse_decode_out_fake(*args, **kwargs):
 
 def _eager_sparse(q, k_cache, indices, topk_length, extra_k_cache, extra_indices,
                   extra_topk_length, attn_sink, softmax_scale, out, lse, plan, scratch, backend):
-    n = _arrays.native
     _sm._ext.sparse_decode(
-        n(q), n(k_cache), n(indices), topk_length=n(topk_length), extra_k_cache=n(extra_k_cache),
-        extra_indices=n(extra_indices), extra_topk_length=n(extra_topk_length),
-        attn_sink=n(attn_sink), softmax_scale=softmax_scale, out=n(out), lse=n(lse),
-        plan=n(plan), scratch=n(scratch),
+        **_arrays.natives(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length,
+                          extra_k_cache=extra_k_cache, extra_indices=extra_indices,
+                          extra_topk_length=extra_topk_length, attn_sink=attn_sink, out=out,
+                          lse=lse, plan=plan, scratch=scratch),
+        softmax_scale=softmax_scale,
         allocate=None if (plan is not None or scratch is not None) else _sm._allocator(q),
         backend=backend, stream=_arrays.stream_for(q, None))
 
@@ -157,10 +157,11 @@ def _sparse_decode_plan_fake(*args, **kwargs):
 
 def _eager_dense(q, k_cache, block_table, cache_seqlens, causal, softmax_scale, out, lse, plan,
                  scratch, backend):
-    n = _arrays.native
     _sm._ext.dense_decode(
-        n(q), n(k_cache), n(block_table), n(cache_seqlens), causal=causal,
-        softmax_scale=softmax_scale, out=n(out), lse=n(lse), plan=n(plan), scratch=n(scratch),
+        **_arrays.natives(q=q, k_cache=k_cache, block_table=block_table,
+                          cache_seqlens=cache_seqlens, out=out, lse=lse, plan=plan,
+                          scratch=scratch),
+        causal=causal, softmax_scale=softmax_scale,
         allocate=None if (plan is not None or scratch is not None) else _sm._allocator(q),
         backend=backend, stream=_arrays.stream_for(q, None))
 

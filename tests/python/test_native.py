@@ -290,6 +290,27 @@ def test_zero_size_numpy_arrays():
     assert sm.dequantize(np.zeros((0, 16, 1, 584), np.uint8), np.array([3, -1], np.int32)).shape == (2, 512)
 
 
+def test_size_one_dims_with_negative_strides():
+    # A dim of extent 1 only ever has index 0: its stride is never used, negative or not.
+    q, cache, idx = _small_sparse()
+    out_ref, lse_ref = sparse_decode_ref(q.view(np.uint16), cache, idx)
+    assert q.shape[1] == 1 and idx.shape[1] == 1
+    out, lse = sm.sparse_decode(q[:, ::-1], cache.view, idx[:, ::-1])
+    assert_close(out, lse, out_ref, lse_ref)
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_other_one_byte_ml_dtypes_are_not_caches():
+    # Only float8_e4m3fn travels as the cache's raw bytes: int4 or float8_e4m3b11fnuz values read
+    # as e4m3 bits would be wrong numbers, and numpy cannot export float8_e5m2 at all.
+    q, cache, idx = _small_sparse()
+    for other in ("int4", "float8_e4m3b11fnuz", "float8_e5m2"):
+        with pytest.raises(TypeError, match=f"k_cache: dtype {other}, expected one the library"):
+            sm.sparse_decode(q, cache.view.view(getattr(ml_dtypes, other)), idx)
+    out, lse = sm.sparse_decode(q, cache.view.view(ml_dtypes.float8_e4m3fn), idx)
+    assert_close(out, lse, *sparse_decode_ref(q.view(np.uint16), cache, idx))
+
+
 def test_queries_on_the_cpu():
     q, cache, idx = _small_sparse()
     assert "cpu" in sm.available_backends()
