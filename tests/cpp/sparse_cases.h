@@ -68,7 +68,7 @@ inline void feed_nan(ref::SparseCase& c) {
   std::vector<float> row(c.kv.d_qk());
   ref::Rng rng(c.config.seed + 1);
   for (float& v : row) v = static_cast<float>(rng.uniform(-0.1, 0.1));
-  for (size_t d = row.size() - 64; d < row.size(); ++d) row[d] = std::numeric_limits<float>::quiet_NaN();
+  for (size_t d = row.size() - 64; d < row.size(); ++d) row[d] = static_cast<float>(nan);
   ref::write_row(c.kv, slot, 0, row.data());
   // Only request 1's query token 0 names that slot (random lists may share slots).
   for (int64_t i = 0; i < c.config.b; ++i) {
