@@ -350,9 +350,9 @@ def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, 
     """
     on = _explicit_stream(_first(out_parts), stream)
     if isinstance(out_parts, (list, tuple)):
-        out_parts = _arrays.stack(out_parts, on)
+        out_parts = _arrays.stack(out_parts, "out_parts", on)
     if isinstance(lse_parts, (list, tuple)):
-        lse_parts = _arrays.stack(lse_parts, on)
+        lse_parts = _arrays.stack(lse_parts, "lse_parts", on)
     if _is_compiling():
         return _ops.merge_attention(out_parts, lse_parts, attn_sink=attn_sink, out=out, lse=lse,
                                     out_dtype=out_dtype, backend=backend)

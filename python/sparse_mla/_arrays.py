@@ -66,9 +66,9 @@ def native(x: Any, name: str) -> Any:
     """The object handed to the extension for argument `name`. numpy arrays of the ml_dtypes
     types the library takes (bfloat16, float8_e4m3fn) travel as raw uint16/uint8 bits, since numpy
     cannot export them; other ml_dtypes types are refused by name (as raw bits some would pass for
-    uint8 caches, and numpy cannot export the others). torch tensors travel as (data_ptr, dtype code, shape, strides, device) descriptors:
-    reading those is several times cheaper than a DLPack export, and works for tensors that
-    require grad."""
+    uint8 caches, and numpy cannot export the others). torch tensors travel as (data_ptr, dtype
+    code, shape, strides, device) descriptors: reading those is several times cheaper than a
+    DLPack export, and works for tensors that require grad."""
     fw = framework(x)
     if fw == "numpy":
         if x.dtype.type.__module__ != "ml_dtypes":
@@ -200,7 +200,8 @@ def lse_like(like: Any, b: int, s_q: int, h_q: int, stream: Optional[int] = None
     return transposed_12(empty(like, (b, s_q, h_q), "float32", stream))
 
 
-def stack(parts: Sequence[Any], stream: Optional[int] = None) -> Any:
+def stack(parts: Sequence[Any], name: str, stream: Optional[int] = None) -> Any:
+    """The arrays of argument `name` (a list) stacked into one [n, ...] array."""
     first = parts[0]
     fw = framework(first)
     if fw == "torch":
@@ -215,10 +216,10 @@ def stack(parts: Sequence[Any], stream: Optional[int] = None) -> Any:
             return cupy.stack(list(parts))
     if fw == "numpy":
         if any(np.dtype(p.dtype) != first.dtype for p in parts):  # raw bits must not be mixed
-            raise TypeError("out_parts: the parts have dtypes "
+            raise TypeError(f"{name}: the parts have dtypes "
                             f"{sorted({np.dtype(p.dtype).name for p in parts})}, expected one")
-        return np.stack([native(p, "out_parts") for p in parts]).view(first.dtype)
-    raise TypeError("out_parts: a sequence of arrays must hold numpy, torch or cupy arrays; "
+        return np.stack([native(p, name) for p in parts]).view(first.dtype)
+    raise TypeError(f"{name}: a sequence of arrays must hold numpy, torch or cupy arrays; "
                     f"got {type(first).__name__} (stack them into one [n, ...] array first)")
 
 
