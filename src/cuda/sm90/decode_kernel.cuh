@@ -44,7 +44,6 @@
 namespace sparse_mla::cuda::sm90 {
 
 using smxx::decode::all_tokens_visible;
-using smxx::decode::causal_limit;
 using smxx::decode::DecodeParams;
 using smxx::decode::finite_or_zero;
 using smxx::decode::Fmt;
@@ -737,7 +736,7 @@ struct Sm90Cta {
       m[rr] = -INFINITY;
       l[rr] = 0.f;
       lim[rr] = 0x7fffffff;
-      if (p.dense && p.causal) lim[rr] = causal_limit(p, cur.len, (row0 + r_lo + 8 * rr) / p.hpk);
+      if (p.dense && p.causal) lim[rr] = cur.len - p.s_q + (row0 + r_lo + 8 * rr) / p.hpk;
     }
     mbar_wait(q_full_bar(), cur.seg & 1);
   }
@@ -751,7 +750,7 @@ struct Sm90Cta {
   __device__ void clean_tail(const TileCursor<kT>& cur, int st, int d0, int d1, int wt, int bar,
                              bool synced) const {
     if constexpr (!kCausalTail) return;
-    const int2 tail = hidden_tail(p, cur.len, row0, cur.k * kT, kT);
+    const int2 tail = hidden_tail(p, cur.len, cur.k * kT, kT);
     if (tail.x >= tail.y) return;
     if (!synced) ptx::named_barrier(bar, 128);
     const int token_chunks = (d1 - d0) / 8;
@@ -1264,7 +1263,7 @@ struct Sm90Cta {
           l[jc] = 0.f;
           lim[jc] = 0x7fffffff;
           if (p.dense && p.causal)
-            lim[jc] = causal_limit(p, cur.len, (row0 + narrow_col(lane, jc)) / p.hpk);
+            lim[jc] = cur.len - p.s_q + (row0 + narrow_col(lane, jc)) / p.hpk;
         }
         mbar_wait(q_full_bar(), cur.seg & 1);
       }

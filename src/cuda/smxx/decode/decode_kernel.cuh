@@ -57,22 +57,14 @@ __device__ __forceinline__ bool token_visible(Bits vmask, int col, int pos0, con
   return ((vmask >> col) & 1u) && pos0 + col <= lim[e >> 1];
 }
 
-// Causal dense decode: the last token that query token s of a request of len tokens sees.
-__device__ __forceinline__ int causal_limit(const DecodeParams& p, int len, int s) {
-  return len - p.s_q + s;
-}
-
-// Causal dense decode: the tokens past the horizon of a CTA's first query row (row0 within its
-// group; rows ascend in query token) are hidden from some of its rows, whose P is 0 there, but
-// 0 * V is NaN where V is inf or NaN. So before a tile's P V, the V values of those tokens that
-// are not finite are set to 0; the rows that see such a token keep its non-finite logit (Q K^T
-// has read the tile by then). The tile's tokens [x, y) to clean: empty (x >= y) for all other
-// tiles, CTAs and calls.
-__device__ __forceinline__ int2 hidden_tail(const DecodeParams& p, int len, int row0, int pos0,
-                                            int tile) {
+// Causal dense decode: the last s_q - 1 tokens of a request (from len - s_q + 1 on) are hidden
+// from its first query tokens, whose P is 0 there, but 0 * V is NaN where V is inf or NaN. So
+// before a tile's P V, the V values of those tokens that are not finite are set to 0; the query
+// tokens that see such a token keep its non-finite logit (Q K^T has read the tile by then). The
+// tile's tokens [x, y) to clean: empty (x >= y) for all other tiles and calls.
+__device__ __forceinline__ int2 hidden_tail(const DecodeParams& p, int len, int pos0, int tile) {
   if (!(p.dense && p.causal)) return make_int2(0, 0);
-  const int first_hidden = causal_limit(p, len, row0 / p.hpk) + 1;
-  return make_int2(max(first_hidden, pos0) - pos0, min(len, pos0 + tile) - pos0);
+  return make_int2(max(len - p.s_q + 1, pos0) - pos0, min(len, pos0 + tile) - pos0);
 }
 
 // A 16-byte chunk of 16-bit values (fp16 where kHalf, else bf16) with the inf and NaN ones
@@ -358,7 +350,7 @@ struct DecodeCta {
       lim[rr] = 0x7fffffff;
       if (p.dense && p.causal) {
         const int lr = row0 + mt * 16 + (lane >> 2) + 8 * rr;
-        lim[rr] = causal_limit(p, info.len, lr / p.hpk);
+        lim[rr] = info.len - p.s_q + lr / p.hpk;
       }
     }
 
@@ -493,7 +485,7 @@ struct DecodeCta {
       }
     }
 
-    const int2 tail = hidden_tail(p, len, row0, pos0, kT);
+    const int2 tail = hidden_tail(p, len, pos0, kT);
     if (tail.x < tail.y) {
       __syncthreads();  // every warp's Q K^T has read the tile
       constexpr int kVChunks = kDV / 8;
