@@ -20,8 +20,8 @@ namespace {
 template <Fmt F, int kRows>
 smxx::decode::KernelEntry entry(bool causal_tail) {
   using Cfg = Sm90Config<F, kRows>;
-  const void* fn = causal_tail ? reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, true>)
-                               : reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, false>);
+  const void* fn = reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, false>);
+  if (causal_tail) fn = reinterpret_cast<const void*>(&sm90_decode_kernel<F, kRows, true>);
   return smxx::decode::KernelEntry{fn, Cfg::kThreads, Cfg::kSmemBytes, Cfg::kT, Cfg::kRows};
 }
 
