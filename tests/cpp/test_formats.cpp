@@ -285,6 +285,12 @@ TEST(FormatKVCacheFromTensor, V32AndDense) {
   a.out = TensorView::contiguous(deq.data(), DType::kFloat32, Device{}, {3, 512});
   const Status st = dequantize(a, Options{Backend::kCPU, nullptr});
   EXPECT_TRUE(st.ok()) << st.to_string();
+
+  // Dims of extent 1 may have any stride, negative too (numpy's a[::-1]): it is never used.
+  one.strides[0] = -31104;
+  one.strides[2] = -584;
+  ASSERT_TRUE(kv_cache_from_tensor(one, "k_cache", &c).ok());
+  EXPECT_EQ(c.page_stride, 4096);
 }
 
 TEST(FormatKVCacheFromTensor, RejectsBadTensorsNamingTheArgument) {
@@ -309,6 +315,10 @@ TEST(FormatKVCacheFromTensor, RejectsBadTensorsNamingTheArgument) {
   expect_error(TensorView::strided(buf.data(), DType::kUInt8, Device{}, {4, 32, 1, 584},
                                    {32 * 600, 600, 600, 1}),
                "strides");
+  // A negative stride where it steps (two pages).
+  expect_error(TensorView::strided(buf.data() + 64 * 656, DType::kUInt8, Device{},
+                                   {2, 64, 1, 584}, {-64 * 656, 584, 584, 1}),
+               "stride 0 is -41984, expected 0..2^48");
 }
 
 }  // namespace

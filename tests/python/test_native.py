@@ -366,6 +366,8 @@ def test_errors_name_the_argument():
     lses = np.zeros((2, 1, 1, 2), np.float32)
     with pytest.raises(TypeError, match="out_parts: the parts have dtypes"):
         sm.merge_attention([parts[0], as_bf16(f32_to_bf16_bits(parts[1]))], list(lses))
+    with pytest.raises(TypeError, match="lse_parts: the parts have dtypes"):
+        sm.merge_attention(parts, [lses[0], lses[1].astype(np.float16)])
 
 
 def test_python_layer_errors_name_the_argument():

@@ -203,7 +203,7 @@ def test_torch_subclasses_and_lazily_negated_tensors():
     # A negated view whose memory holds the un-negated values is refused, not read as stored.
     sink = torch.complex(torch.zeros(16), kw["attn_sink"].float()).conj().imag
     assert sink.is_neg()
-    with pytest.raises(ValueError, match="negative bit"):
+    with pytest.raises(ValueError, match="attn_sink: a torch tensor with the negative bit"):
         sm.sparse_decode(kw["q"], kw["k_cache"], kw["indices"], attn_sink=sink)
 
 
