@@ -36,12 +36,17 @@ void attend(const double* q, int d_qk, const std::vector<Row>& rows,
     r.lse_at(i, s, h) = kInf;
     return;
   }
-  const double m = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (double l : logits) sum += std::exp(l - m);
-  const double lse = m + std::log(sum);
+  // Every logit -inf: the sum is 0 and lse is +inf, as with no valid slot (FlashMLA's rule for a
+  // zero sum); out then follows the formula, sum_j 0 * V_j: 0, NaN where a V_j holds an infinity.
+  double lse = kInf;
+  if (!std::all_of(logits.begin(), logits.end(), [](double l) { return l == -kInf; })) {
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (double l : logits) sum += std::exp(l - m);
+    lse = m + std::log(sum);
+  }
   double factor = 1;
-  if (sink) factor = 1.0 / (1.0 + std::exp(*sink - lse));
+  if (sink && lse != kInf) factor = 1.0 / (1.0 + std::exp(*sink - lse));
   std::vector<double> acc(r.d_v, 0.0);
   for (size_t j = 0; j < used.size(); ++j) {
     const double w = std::exp(logits[j] - lse);

@@ -514,6 +514,20 @@ void scale_v32_scales(HostCache& cache, Rng& rng, const std::vector<bool>& which
   }
 }
 
+int64_t minus_inf_dim(KVFormat format) {
+  return (format == KVFormat::kV32 ? kV32NopeDims : kModel1NopeDims) + 5;
+}
+
+void write_minus_inf_row(HostCache& cache, Rng& rng, int64_t slot) {
+  const KVCache c = cache.desc();
+  std::vector<float> row(kv_format_d_qk(c.format));
+  for (int64_t h = 0; h < c.num_heads; ++h) {
+    random_row(rng, static_cast<int>(row.size()), row.data());
+    row[minus_inf_dim(c.format)] = -std::numeric_limits<float>::infinity();
+    write_row(cache, slot, h, row.data());
+  }
+}
+
 void poison_slot(HostCache& cache, int64_t slot) {
   const KVCache c = cache.desc();
   uint8_t* base = slot_base(c, slot);

@@ -146,6 +146,12 @@ void random_row(Rng& rng, int d, float* values);
 // same power, but not below the quantizer's smallest, 1e-4 / 448; fp16 pages keep ~2^-10..2^15).
 void fill_random(HostCache& cache, Rng& rng, const std::vector<bool>& which = {},
                  int scale_log2 = 0);
+// The dim of `format`'s rows that tests set to -inf: one stored in 16 bits (the FP8 formats' rope
+// dim 5, inside V for MODEL1 and past it for V32; V dim 453 of the 16-bit formats).
+int64_t minus_inf_dim(KVFormat format);
+// Writes a random row (random_row) with -inf in minus_inf_dim into every head of `slot`: its logit
+// is -inf for every query that is positive in that dim and finite elsewhere.
+void write_minus_inf_row(HostCache& cache, Rng& rng, int64_t slot);
 // Sets every byte of a slot (all heads, MODEL1 footer scales included) to 0xFF: NaN everywhere.
 void poison_slot(HostCache& cache, int64_t slot);
 void poison_unreferenced(HostCache& cache, const std::vector<bool>& referenced);

@@ -578,7 +578,9 @@ void SoftmaxState::tile(const Kernels& k, const float* rows, int T, const int64_
 void finish_row(const Kernels& k, const float* o, float max2, float sum, int d_v, const float* sink,
                 uint16_t* out, int64_t out_stride, DType out_dtype, float* lse) {
   if (sum == 0.f) {
-    for (int n = 0; n < d_v; ++n) store_half(out + n * out_stride, out_dtype, 0.f);
+    // No valid slot (o is 0), or only -inf logits, whose o holds 0 * V: 0, NaN where a V value
+    // is infinite (docs/semantics.md). lse +inf either way.
+    for (int n = 0; n < d_v; ++n) store_half(out + n * out_stride, out_dtype, o[n] * 0.f);
     *lse = std::numeric_limits<float>::infinity();
     return;
   }

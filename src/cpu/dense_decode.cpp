@@ -168,8 +168,8 @@ Status dense_decode(const DenseDecodeArgs& args, const DenseDecodeProblem& p) {
         float l = 0.f;
         for (int64_t c = 0; c < chunks; ++c) {
           const size_t at = static_cast<size_t>((w * chunks + c) * rows_per + m);
-          if (part_l[at] == 0.f) continue;
-          const float a = std::exp2(part_m[at] - mx);
+          // A chunk of -inf logits only (l 0) weighs 0 but keeps the NaN of its 0 * inf V values.
+          const float a = part_l[at] == 0.f ? 0.f : std::exp2(part_m[at] - mx);
           const float* po = part_o.data() + at * p.d_v;
           for (int n = 0; n < p.d_v; ++n) o[n] += a * po[n];
           l += a * part_l[at];

@@ -94,6 +94,44 @@ inline void expect_nan_where_fed(const ref::SparseCase& c) {
   }
 }
 
+// A list whose logits are all -inf: request 1's query token 0 names in every entry one slot,
+// which no other list names, holding a row with -inf in ref::minus_inf_dim, and its q is 0.5 in
+// that dim for every head. Needs b >= 2 and no extra cache.
+inline void feed_minus_inf_logits(ref::SparseCase& c) {
+  const int64_t slot = static_cast<int64_t>(c.indices.get({1, 0, 0}));
+  ref::Rng rng(c.config.seed + 2);
+  ref::write_minus_inf_row(c.kv, rng, slot);
+  for (int64_t i = 0; i < c.config.b; ++i) {
+    for (int64_t s = 0; s < c.config.s_q; ++s) {
+      for (int64_t k = 0; k < c.config.topk; ++k) {
+        if (c.indices.get({i, s, k}) == static_cast<double>(slot)) c.indices.set({i, s, k}, -1.0);
+      }
+    }
+  }
+  for (int64_t k = 0; k < c.config.topk; ++k) c.indices.set({1, 0, k}, static_cast<double>(slot));
+  const int64_t dim = ref::minus_inf_dim(c.config.format);
+  for (int64_t h = 0; h < c.config.h_q; ++h) c.q.set({1, 0, h, dim}, 0.5);
+}
+
+// The outputs of a case given feed_minus_inf_logits: lse +inf and out 0 in the rows fed, with
+// NaN (0 * -inf) in the -inf dim where V holds it (MODEL1; V32's lies past d_v); finite beside.
+inline void expect_minus_inf_rows(const ref::SparseCase& c) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t dim = ref::minus_inf_dim(c.config.format);
+  for (int64_t h = 0; h < c.config.h_q; ++h) {
+    EXPECT_EQ(c.lse.get({1, h, 0}), inf) << "head " << h;
+    for (int64_t d : {0, 100, 453, 511}) {  // 453: the -inf dim but for V32
+      if (d == dim) {
+        EXPECT_TRUE(std::isnan(c.out.get({1, 0, h, d}))) << "head " << h << " dim " << d;
+      } else {
+        EXPECT_EQ(c.out.get({1, 0, h, d}), 0.0) << "head " << h << " dim " << d;
+      }
+    }
+    EXPECT_TRUE(std::isfinite(c.lse.get({0, h, 0}))) << "head " << h;
+    EXPECT_TRUE(std::isfinite(c.out.get({0, 0, h, 453}))) << "head " << h;
+  }
+}
+
 inline std::vector<NamedCase> corner_cases() {
   const KVFormat M1 = KVFormat::kModel1, V32 = KVFormat::kV32;
   std::vector<NamedCase> v;

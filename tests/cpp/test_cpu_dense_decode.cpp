@@ -212,6 +212,23 @@ TEST(CpuDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
   }
 }
 
+// A request whose logits are all -inf: lse +inf and out 0 as with no valid token, but NaN where V
+// holds the -inf (0 * -inf); every format, its 5000 tokens in three KV chunks whose merge keeps
+// that NaN (robustness.md finding 19).
+TEST(CpuDenseDecodeCorners, RequestOfMinusInfLogitsReadsAsEmptyButForInfV) {
+  for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
+    ref::DenseCaseConfig cfg = base(format, 2, 2, 8, 1, 64, 0, false);
+    cfg.seqlens = {300, 5000};
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::DenseCase c = ref::make_dense_case(cfg);
+    dense_cases::feed_minus_inf_logits(c);
+    const ref::CompareResult res = run_and_compare(c);
+    EXPECT_TRUE(res.ok) << res.summary();
+    dense_cases::expect_minus_inf_rows(c);
+  }
+}
+
 // Block-table entries outside [0, num_pages) contribute nothing and are never dereferenced.
 TEST(CpuDenseDecodeCorners, BlockTableEntriesOutOfRange) {
   for (KVFormat format : {KVFormat::kFP16, KVFormat::kV32}) {

@@ -152,6 +152,23 @@ TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
   sparse_cases::expect_nan_where_fed(c);
 }
 
+// A list whose logits are all -inf (its one row -inf in a dim where q is positive): lse +inf and
+// out 0 as with no valid slot, but NaN where V holds the -inf (0 * -inf), sink or not; the sum
+// of 0 used to give the reference NaN everywhere (robustness.md finding 19).
+TEST(CpuSparseDecodeCorners, ListOfMinusInfLogitsReadsAsEmptyButForInfV) {
+  for (KVFormat format : {KVFormat::kModel1, KVFormat::kV32}) {
+    ref::SparseCaseConfig cfg = base(format, 2, 2, 8, 70, 64);
+    cfg.use_sink = true;
+    cfg.seed = test_seed();
+    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+    ref::SparseCase c = ref::make_sparse_case(cfg);
+    sparse_cases::feed_minus_inf_logits(c);
+    const ref::CompareResult res = run_and_compare(c);
+    EXPECT_TRUE(res.ok) << res.summary();
+    sparse_cases::expect_minus_inf_rows(c);
+  }
+}
+
 // A dim of extent 1 only ever has index 0, so its stride is never used: a negative one (numpy's
 // a[::-1] on such a dim) is accepted and changes nothing.
 TEST(CpuSparseDecodeCorners, SizeOneDimsMayHaveNegativeStrides) {

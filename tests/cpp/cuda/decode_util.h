@@ -121,12 +121,15 @@ struct DeviceDense {
   }
 };
 
-// Caller-owned plan + scratch memory of the sizes the query returned.
+// Caller-owned plan + scratch memory of the sizes the query returned. Both start as NaN bytes,
+// so that a partial row or lse that the combine reads before a kernel wrote it shows.
 struct DeviceWorkspace {
   DeviceBuffer plan, scratch;
   Workspace ws;
   explicit DeviceWorkspace(const WorkspaceSizes& s)
       : plan(s.plan_bytes), scratch(s.scratch_bytes) {
+    plan.fill(0xff);
+    scratch.fill(0xff);
     ws.plan = s.plan_bytes ? plan.data() : nullptr;
     ws.plan_bytes = s.plan_bytes;
     ws.scratch = s.scratch_bytes ? scratch.data() : nullptr;

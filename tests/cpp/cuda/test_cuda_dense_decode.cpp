@@ -307,6 +307,25 @@ TEST(CudaDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
   }
 }
 
+// A request whose logits are all -inf: lse +inf and out 0 as with no valid token, but NaN where V
+// holds the -inf (0 * -inf); every format, h_q 4, 8 and 128 (narrow, one and several 64-row
+// CTAs a list), its 5000 tokens split over CTAs whose every part is of -inf logits only.
+TEST(CudaDenseDecodeCorners, RequestOfMinusInfLogitsReadsAsEmptyButForInfV) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
+    for (int64_t h_q : {4, 8, 128}) {
+      ref::DenseCaseConfig cfg = base(format, 2, 2, h_q, 1, 64, {300, 5000});
+      cfg.seed = test_seed();
+      SCOPED_TRACE("h_q " + std::to_string(h_q) + " SPARSE_MLA_TEST_SEED=" +
+                   std::to_string(cfg.seed));
+      ref::DenseCase c = ref::make_dense_case(cfg);
+      dense_cases::feed_minus_inf_logits(c);
+      check_case(c);
+      dense_cases::expect_minus_inf_rows(c);
+    }
+  }
+}
+
 // Block-table entries outside [0, num_pages) make their tokens absent and are never read;
 // requests with no token left give out 0 and lse +inf.
 TEST(CudaDenseDecodeCorners, OutOfRangeBlockTableEntries) {

@@ -246,6 +246,28 @@ TEST(CudaSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
   }
 }
 
+// A list whose logits are all -inf: lse +inf and out 0 as with no valid slot, but NaN where V
+// holds the -inf (0 * -inf), sink or not: both formats and kernel widths, short lists and lists
+// split over CTAs (every part of -inf logits only: the combine keeps its partials' NaN).
+TEST(CudaSparseDecodeCorners, ListOfMinusInfLogitsReadsAsEmptyButForInfV) {
+  SKIP_WITHOUT_GPU();
+  for (KVFormat format : {M1, V32}) {
+    for (int64_t h_q : {8, 128}) {
+      for (int64_t topk : {70, 2600}) {
+        ref::SparseCaseConfig cfg = base(format, 2, 2, h_q, topk, 64);
+        cfg.use_sink = true;
+        cfg.seed = test_seed();
+        SCOPED_TRACE("h_q " + std::to_string(h_q) + " topk " + std::to_string(topk) +
+                     " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+        ref::SparseCase c = ref::make_sparse_case(cfg);
+        sparse_cases::feed_minus_inf_logits(c);
+        check_case(c);
+        sparse_cases::expect_minus_inf_rows(c);
+      }
+    }
+  }
+}
+
 // Sinks of +inf (out 0), -inf (no effect) and finite values; lse excludes the sink. Run with a
 // short list (final output written by the attention kernel) and a long one (written by combine).
 TEST(CudaSparseDecodeCorners, SinkInfinitiesAndFinite) {

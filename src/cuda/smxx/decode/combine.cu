@@ -140,12 +140,15 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
   // Every warp of a row now holds the same mx and nan, so they take the same branch below.
 
   // Unnormalized weights 2^(lse - mx) <= 1; their sum w_sum >= 1 divides at the end. Each warp
-  // adds its parts in index order.
+  // adds its parts in index order. Where every part is empty or of -inf logits only (mx -inf)
+  // the weights are 0 and so is w_sum: out is then sum 0 * partial row, 0 or the NaN of a
+  // partial's 0 * inf V values (docs/semantics.md).
+  const float m_use = mx == -INFINITY ? 0.f : mx;
   float acc[kVec][4];
 #pragma unroll
   for (int v = 0; v < kVec; ++v) acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.f;
   float w_sum = 0.f;
-  if (!nan && mx != -INFINITY) {
+  if (!nan) {
     // The weights of 32 parts at a time: lane j works out part j's into the warp's records,
     // which every lane then reads by broadcast, a load a part. A record holds the weight e last
     // (fp32 partials: alone). fp16 partials: dims 4 lane .. 4 lane + 3 of a 128-dim block came
@@ -159,7 +162,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
     __shared__ __align__(16) float s_rec[kCombineWarps][32][kRec];
     float(&rec)[32][kRec] = s_rec[warp];
     auto weights = [&](int j0, float l, uint2 k) {
-      const float e = j0 + lane < cnt ? ptx::exp2_approx(l - mx) : 0.f;
+      const float e = j0 + lane < cnt ? ptx::exp2_approx(l - m_use) : 0.f;
       __syncwarp();  // the records of the previous 32 parts have been read
       if constexpr (kPart16) {
 #pragma unroll
@@ -261,7 +264,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, const PairInf
 
   uint16_t* dst = p.out + i * p.out_stride[0] + s * p.out_stride[1] + head * p.out_stride[2] +
                   blockIdx.z * kDims + lane * 4;
-  // f is NaN for a NaN row and 0 for an empty one (whose acc is 0).
+  // f is NaN for a NaN row and 0 for an empty one.
 #pragma unroll
   for (int v = 0; v < kVec; ++v) {
     uint2 o;
