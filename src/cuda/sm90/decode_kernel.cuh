@@ -209,9 +209,10 @@ struct TileCursor {
   }
 };
 
-// kCausalTail: the kernel for causal dense calls with s_q > 1, which cleans the causal tail's V
-// (clean_tail); the others go without that code, which cost them 1-2% where it only sat in the
-// consumers' loops (H200, session 66).
+// kCausalTail: the kernel for causal dense calls with s_q > 1 whose CTAs hold rows of query
+// tokens with different horizons, which cleans the causal tail's V (clean_tail); the others go
+// without that code, which cost them 1-2% where it only sat in the consumers' loops (H200,
+// session 66).
 template <Fmt F, int kRowsArg, bool kCausalTail>
 struct Sm90Cta {
   using Cfg = Sm90Config<F, kRowsArg>;
@@ -235,6 +236,10 @@ struct Sm90Cta {
   const DecodeParams& p;
   uint8_t* smem;
   int part, grp, row0, nrows;
+  // Causal dense decode: the tokens at a list's end past the horizon of this CTA's last query
+  // token, which none of its rows sees. The producers never load them (they count as absent),
+  // so a CTA whose rows are all of one query token has no causal tail to clean.
+  int hidden_len;
   // 16-bit dense pages as a TMA tensor (dim, KV head, token in page, page), boxes of 64 dims x
   // 8 tokens; nullptr where the host could not describe the cache that way (or
   // SPARSE_MLA_SM90_TMA=0).
@@ -310,7 +315,9 @@ struct Sm90Cta {
       const int pos = mine.k * kT + tok;
       int i, sq;
       pair_coords(p, mine.id, &i, &sq);
-      if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, mine.info(), i, sq, pos);
+      PairInfo info = mine.info();
+      info.len = max(info.len - hidden_len, 0);
+      if (mine.valid(p)) t.raw = smxx::decode::load_raw(p, info, i, sq, pos);
       t.pos = !p.dense && pos >= mine.n_main ? pos | INT_MIN : pos;
     }
     return t;
@@ -1544,6 +1551,7 @@ __global__ void __launch_bounds__(Sm90Config<F, kRowsArg>::kThreads, 1)
   }
   cta.row0 = rb * Cfg::kRows;
   cta.nrows = min(Cfg::kRows, p.rows_per_group - cta.row0);
+  cta.hidden_len = p.dense && p.causal ? p.s_q - 1 - (cta.row0 + cta.nrows - 1) / p.hpk : 0;
   if (threadIdx.x == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
       // Staged producers arrive once (their copies landed before the conversion); the others

@@ -14,7 +14,7 @@
 namespace sparse_mla::cuda::sm90 {
 
 // The wgmma decode kernel for one KV format (64 query rows, 64-token tiles; MODEL1 48); with
-// causal_tail, its form for causal dense calls with s_q > 1 (hidden_tail).
+// causal_tail, its form that cleans the causal tail (hidden_tail; pick_decode_kernel says where).
 smxx::decode::KernelEntry kernel_entry(smxx::decode::Fmt fmt, bool causal_tail);
 // Its narrow form for FP8 formats (16 query rows, 64-token tiles: S^T = K Q^T); fn == nullptr for
 // the 16-bit formats.

@@ -289,12 +289,13 @@ TEST(CudaDenseDecodeCorners, PlanOfALargerCallStaysInBounds) {
 
 // NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
 // them (not the others through 0 * V in the tile they share): every format; h_q 4 (12 rows a
-// list: the Hopper kernel's narrow form on FP8 pages), 8 (24 rows in one CTA) and 128 (six 64-row
-// CTAs a list, each with the query tokens of one horizon).
+// list: the Hopper kernel's narrow form on FP8 pages), 8 (24 rows in one CTA), 100 (64-row CTAs
+// of one query token and CTAs of two) and 128 (six 64-row CTAs a list, each of one query token:
+// the form without the cleaning, whose producers skip the tokens past their CTA's horizon).
 TEST(CudaDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
   SKIP_WITHOUT_GPU();
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
-    for (int64_t h_q : {4, 8, 128}) {
+    for (int64_t h_q : {4, 8, 100, 128}) {
       ref::DenseCaseConfig cfg = dense_cases::nan_past_horizon_config(format, h_q, 64);
       cfg.seed = test_seed();
       SCOPED_TRACE("h_q " + std::to_string(h_q) + " SPARSE_MLA_TEST_SEED=" +

@@ -34,7 +34,7 @@ KernelEntry hopper_entry(Fmt fmt, int64_t rows) {
 // A batch large enough that no small-batch rule applies: 128 token lists of 2048 tokens.
 KernelPick pick_big_batch(Fmt fmt, int64_t rows, bool sm90, const DeviceLimits& dev) {
   KernelPick pick;
-  const Status st = pick_decode_kernel(fmt, rows, 1, 128, 2048, sm90, false, dev, &pick);
+  const Status st = pick_decode_kernel(fmt, rows, 1, 128, 2048, sm90, 0, dev, &pick);
   EXPECT_TRUE(st.ok()) << fmt_name(fmt) << " rows " << rows << ": " << st.to_string();
   return pick;
 }
@@ -94,7 +94,7 @@ TEST_F(DecodeKernelPick, PickFitsTheDevice) {
       for (bool sm90 : {true, false}) {
         const DeviceLimits dev = hopper_limits(limit);
         KernelPick pick;
-        const Status st = pick_decode_kernel(fmt, 64, 1, 128, 2048, sm90, false, dev, &pick);
+        const Status st = pick_decode_kernel(fmt, 64, 1, 128, 2048, sm90, 0, dev, &pick);
         const std::string where = std::string(fmt_name(fmt)) + " limit " + std::to_string(limit) +
                                   (sm90 ? " sm90" : " portable");
         int first_fit = -1;
@@ -113,18 +113,21 @@ TEST_F(DecodeKernelPick, PickFitsTheDevice) {
   }
 }
 
-// A causal dense call with s_q > 1 gets the Hopper kernel's form that cleans the causal tail,
-// every other call the form without that code (its own kernel, same shape and resources).
+// A causal dense call with s_q > 1 whose Hopper CTAs hold rows of several query tokens (causal_hpk
+// rows a token, not a multiple of a CTA's rows) gets the kernel's form that cleans the causal
+// tail; every other call the form without that code (its own kernel, same shape and resources).
 TEST_F(DecodeKernelPick, CausalTailFormOnlyWhereAsked) {
   for (Fmt fmt : kFmts) {
     for (int64_t rows : {64, 16}) {
-      for (bool causal_tail : {false, true}) {
+      for (int64_t causal_hpk : {0, 4, 16, 64, 100, 128}) {
         KernelPick pick;
-        ASSERT_TRUE(pick_decode_kernel(fmt, rows, 1, 128, 2048, true, causal_tail,
+        ASSERT_TRUE(pick_decode_kernel(fmt, rows, 1, 128, 2048, true, causal_hpk,
                                        hopper_limits(232448), &pick)
                         .ok());
         const KernelEntry plain = hopper_entry(fmt, rows);
-        EXPECT_EQ(pick.kernel.fn == plain.fn, !causal_tail) << fmt_name(fmt) << " rows " << rows;
+        const bool tail = causal_hpk > 0 && causal_hpk % plain.rows_per_cta != 0;
+        EXPECT_EQ(pick.kernel.fn == plain.fn, !tail)
+            << fmt_name(fmt) << " rows " << rows << " causal_hpk " << causal_hpk;
         EXPECT_EQ(pick.kernel.smem_bytes, plain.smem_bytes);
         EXPECT_EQ(pick.kernel.rows_per_cta, plain.rows_per_cta);
       }
@@ -138,7 +141,7 @@ TEST_F(DecodeKernelPick, NothingFitsIsAnError) {
   for (Fmt fmt : kFmts) {
     KernelPick pick;
     const Status st =
-        pick_decode_kernel(fmt, 64, 1, 128, 2048, true, false, hopper_limits(4096), &pick);
+        pick_decode_kernel(fmt, 64, 1, 128, 2048, true, 0, hopper_limits(4096), &pick);
     EXPECT_EQ(st.code(), StatusCode::kUnsupported) << std::string(fmt_name(fmt));
     EXPECT_NE(st.message().find(std::string(fmt_name(fmt))), std::string::npos) << st.message();
     EXPECT_NE(st.message().find("4096 bytes"), std::string::npos) << st.message();

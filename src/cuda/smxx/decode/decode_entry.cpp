@@ -58,7 +58,7 @@ Status sparse_shape(const SparseDecodeProblem& p, int device, DecodeShape* s) {
   }
   const Fmt fmt = p.d_qk == kModel1NopeDims + kRopeDims ? Fmt::kModel1 : Fmt::kV32;
   return smxx::decode::make_decode_shape(fmt, p.h_q, 1, p.b * p.s_q, p.h_q,
-                                         p.topk + p.extra_topk, p.sm90, false, device, s);
+                                         p.topk + p.extra_topk, p.sm90, 0, device, s);
 }
 
 // Dense token positions (max_pages * page_size) must fit the kernels' 32-bit token counts.
@@ -77,7 +77,7 @@ Status dense_shape(const DenseDecodeProblem& p, Fmt fmt, int device, DecodeShape
   // The page size is not part of the problem (the workspace query has only shapes), so the
   // longest request is unknown here: no small-batch tile switch for dense decode.
   return smxx::decode::make_decode_shape(fmt, p.s_q * hpk, p.h_kv, p.b, p.s_q * p.h_q, 0, p.sm90,
-                                         p.causal && p.s_q > 1, device, s);
+                                         p.causal && p.s_q > 1 ? hpk : 0, device, s);
 }
 
 PlanParams plan_params(const DecodeShape& s, const Workspace& ws) {

@@ -100,8 +100,8 @@ KernelEntry kernel_entry(Fmt fmt, TileCfg cfg) {
 }
 
 Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                          int64_t max_len, bool sm90, bool causal_tail, const DeviceLimits& dev,
-                          KernelPick* pick) {
+                          int64_t max_len, bool sm90, int64_t causal_hpk,
+                          const DeviceLimits& dev, KernelPick* pick) {
   // Fewest padded rows first (a CTA's K tile is dequantized once for all its rows), then the
   // largest tiles that fit the device's shared memory.
   const TileCfg big[] = {TileCfg::kH64T32, TileCfg::kH32T32, TileCfg::kH16T32, TileCfg::kH16T16};
@@ -179,8 +179,15 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
   // configuration picked above in place.
   bool use_sm90 = sm90 && !force && (!small_batch || keep_small);
   if (use_sm90) {
-    const KernelEntry hopper = wide ? sm90::kernel_entry(fmt, causal_tail)
-                                   : sm90::narrow_kernel_entry(fmt, causal_tail);
+    // Causal calls whose CTAs hold rows of several query tokens (a token's causal_hpk rows not a
+    // multiple of a CTA's) take the form that cleans the causal tail; a CTA whose rows are of one
+    // query token never loads the tokens past its horizon (Sm90Cta::hidden_len).
+    auto entry = [&](bool causal_tail) {
+      return wide ? sm90::kernel_entry(fmt, causal_tail)
+                  : sm90::narrow_kernel_entry(fmt, causal_tail);
+    };
+    KernelEntry hopper = entry(false);
+    if (causal_hpk > 0 && causal_hpk % hopper.rows_per_cta != 0) hopper = entry(true);
     if (hopper.smem_bytes <= dev.max_smem_optin) {
       k = hopper;
     } else {
@@ -200,7 +207,7 @@ Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64
 }
 
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, bool sm90, bool causal_tail,
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, int64_t causal_hpk,
                          int device, DecodeShape* shape) {
   if (num_pairs > kMaxTokenLists) {
     return Status::Unsupported("cuda decode: " + std::to_string(num_pairs) +
@@ -211,7 +218,7 @@ Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_
   SPARSE_MLA_RETURN_IF_ERROR(device_limits(device, &dev));
   KernelPick pick;
   Status picked = pick_decode_kernel(fmt, rows_per_group, groups, num_pairs, max_len, sm90,
-                                     causal_tail, dev, &pick);
+                                     causal_hpk, dev, &pick);
   if (!picked.ok()) {
     return Status(picked.code(), picked.message() + " of device " + std::to_string(device));
   }

@@ -50,8 +50,8 @@ struct KernelPick {
 // and with sm90 the Hopper kernel where it applies (below) and fits; one that does not fit
 // leaves the portable pick in place. Unsupported when no configuration fits.
 Status pick_decode_kernel(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                          int64_t max_len, bool sm90, bool causal_tail, const DeviceLimits& dev,
-                          KernelPick* pick);
+                          int64_t max_len, bool sm90, int64_t causal_hpk,
+                          const DeviceLimits& dev, KernelPick* pick);
 
 // Everything a decode call derives from shapes and the device: the same inputs always give the
 // same shape, so plan() and run() agree without storing anything.
@@ -86,10 +86,11 @@ struct DecodeShape {
 // tokens of a pair from the shapes alone (0: unknown). sm90: use the Hopper wgmma kernel
 // (src/cuda/sm90/) where it applies: 16-bit pages at any row count, FP8 pages except small
 // batches (64-row CTAs above 16 rows a token list, its narrow 16-row form at or below).
-// causal_tail: a causal dense call with s_q > 1, whose Hopper kernel cleans the causal tail
+// causal_hpk: for a causal dense call with s_q > 1 the query rows of one query token (h_q /
+// h_kv), else 0; where a Hopper CTA's rows span query tokens, its kernel cleans the causal tail
 // (sm90::kernel_entry).
 Status make_decode_shape(Fmt fmt, int64_t rows_per_group, int64_t groups, int64_t num_pairs,
-                         int64_t rows_per_pair, int64_t max_len, bool sm90, bool causal_tail,
+                         int64_t rows_per_pair, int64_t max_len, bool sm90, int64_t causal_hpk,
                          int device, DecodeShape* shape);
 
 // Token lists a call (sparse: b * s_q, dense: b): the planner and the kernels walk them with
