@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -287,44 +288,49 @@ TEST(CudaDenseDecodeCorners, PlanOfALargerCallStaysInBounds) {
   decode_test::expect_second_half_poisoned(db, "the plan of a larger call");
 }
 
-// NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
-// them (not the others through 0 * V in the tile they share): every format; h_q 4 (12 rows a
-// list: the Hopper kernel's narrow form on FP8 pages), 8 (24 rows in one CTA), 100 (64-row CTAs
-// of one query token and CTAs of two) and 128 (six 64-row CTAs a list, each of one query token:
-// the form without the cleaning, whose producers skip the tokens past their CTA's horizon).
-TEST(CudaDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
-  SKIP_WITHOUT_GPU();
+// Checks a case of every format and the head counts `h_qs`, made by `config` and changed by
+// `feed`: against the reference, then by `expect`.
+template <typename Config>
+void check_fed_cases(std::initializer_list<int64_t> h_qs, Config config,
+                     void (*feed)(ref::DenseCase&), void (*expect)(const ref::DenseCase&)) {
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
-    for (int64_t h_q : {4, 8, 100, 128}) {
-      ref::DenseCaseConfig cfg = dense_cases::nan_past_horizon_config(format, h_q, 64);
+    for (int64_t h_q : h_qs) {
+      ref::DenseCaseConfig cfg = config(format, h_q);
       cfg.seed = test_seed();
       SCOPED_TRACE("h_q " + std::to_string(h_q) + " SPARSE_MLA_TEST_SEED=" +
                    std::to_string(cfg.seed));
       ref::DenseCase c = ref::make_dense_case(cfg);
-      dense_cases::feed_nan_past_horizon(c);
+      feed(c);
       check_case(c);
-      dense_cases::expect_nan_only_past_horizon(c);
+      expect(c);
     }
   }
 }
 
+// NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
+// them (not the others through 0 * V in the tile they share): h_q 4 (12 rows a list: the Hopper
+// kernel's narrow form on FP8 pages), 8 (24 rows in one CTA), 100 (64-row CTAs of one query token
+// and CTAs of two) and 128 (six 64-row CTAs a list, each of one query token: the form without the
+// cleaning, whose producers skip the tokens past their CTA's horizon).
+TEST(CudaDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
+  SKIP_WITHOUT_GPU();
+  check_fed_cases(
+      {4, 8, 100, 128},
+      [](KVFormat format, int64_t h_q) {
+        return dense_cases::nan_past_horizon_config(format, h_q, 64);
+      },
+      dense_cases::feed_nan_past_horizon, dense_cases::expect_nan_only_past_horizon);
+}
+
 // A request whose logits are all -inf: lse +inf and out 0 as with no valid token, but NaN where V
-// holds the -inf (0 * -inf); every format, h_q 4, 8 and 128 (narrow, one and several 64-row
-// CTAs a list), its 5000 tokens split over CTAs whose every part is of -inf logits only.
+// holds the -inf (0 * -inf); h_q 4, 8 and 128 (narrow, one and several 64-row CTAs a list), its
+// 5000 tokens split over CTAs whose every part is of -inf logits only.
 TEST(CudaDenseDecodeCorners, RequestOfMinusInfLogitsReadsAsEmptyButForInfV) {
   SKIP_WITHOUT_GPU();
-  for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
-    for (int64_t h_q : {4, 8, 128}) {
-      ref::DenseCaseConfig cfg = base(format, 2, 2, h_q, 1, 64, {300, 5000});
-      cfg.seed = test_seed();
-      SCOPED_TRACE("h_q " + std::to_string(h_q) + " SPARSE_MLA_TEST_SEED=" +
-                   std::to_string(cfg.seed));
-      ref::DenseCase c = ref::make_dense_case(cfg);
-      dense_cases::feed_minus_inf_logits(c);
-      check_case(c);
-      dense_cases::expect_minus_inf_rows(c);
-    }
-  }
+  check_fed_cases(
+      {4, 8, 128},
+      [](KVFormat format, int64_t h_q) { return base(format, 2, 2, h_q, 1, 64, {300, 5000}); },
+      dense_cases::feed_minus_inf_logits, dense_cases::expect_minus_inf_rows);
 }
 
 // Block-table entries outside [0, num_pages) make their tokens absent and are never read;

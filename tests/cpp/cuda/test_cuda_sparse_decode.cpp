@@ -225,47 +225,40 @@ TEST(CudaSparseDecodeCorners, AllIndicesMinusOne) {
   }
 }
 
-// NaN in a query row or in a referenced cache row makes the rows that use it NaN (out and lse),
-// as in the reference, and no other row: both formats, both kernel widths (h_q 8 and 128), short
-// lists and lists split over CTAs (the NaN partials pass through the combine).
-TEST(CudaSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
-  SKIP_WITHOUT_GPU();
+// Checks a case changed by `feed` on both formats, both kernel widths (h_q 8 and 128), short lists
+// and lists split over CTAs: against the reference, then by `expect`.
+void check_fed_cases(bool sink, void (*feed)(ref::SparseCase&),
+                     void (*expect)(const ref::SparseCase&)) {
   for (KVFormat format : {M1, V32}) {
     for (int64_t h_q : {8, 128}) {
       for (int64_t topk : {70, 2600}) {
         ref::SparseCaseConfig cfg = base(format, 2, 2, h_q, topk, 64);
+        cfg.use_sink = sink;
         cfg.seed = test_seed();
         SCOPED_TRACE("h_q " + std::to_string(h_q) + " topk " + std::to_string(topk) +
                      " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
         ref::SparseCase c = ref::make_sparse_case(cfg);
-        sparse_cases::feed_nan(c);
+        feed(c);
         check_case(c);
-        sparse_cases::expect_nan_where_fed(c);
+        expect(c);
       }
     }
   }
 }
 
+// NaN in a query row or in a referenced cache row makes the rows that use it NaN (out and lse),
+// as in the reference, and no other row (split lists: the NaN partials pass through the combine).
+TEST(CudaSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
+  SKIP_WITHOUT_GPU();
+  check_fed_cases(false, sparse_cases::feed_nan, sparse_cases::expect_nan_where_fed);
+}
+
 // A list whose logits are all -inf: lse +inf and out 0 as with no valid slot, but NaN where V
-// holds the -inf (0 * -inf), sink or not: both formats and kernel widths, short lists and lists
-// split over CTAs (every part of -inf logits only: the combine keeps its partials' NaN).
+// holds the -inf (0 * -inf), sink or not (split lists: every part of -inf logits only, whose
+// partials' NaN the combine keeps).
 TEST(CudaSparseDecodeCorners, ListOfMinusInfLogitsReadsAsEmptyButForInfV) {
   SKIP_WITHOUT_GPU();
-  for (KVFormat format : {M1, V32}) {
-    for (int64_t h_q : {8, 128}) {
-      for (int64_t topk : {70, 2600}) {
-        ref::SparseCaseConfig cfg = base(format, 2, 2, h_q, topk, 64);
-        cfg.use_sink = true;
-        cfg.seed = test_seed();
-        SCOPED_TRACE("h_q " + std::to_string(h_q) + " topk " + std::to_string(topk) +
-                     " SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
-        ref::SparseCase c = ref::make_sparse_case(cfg);
-        sparse_cases::feed_minus_inf_logits(c);
-        check_case(c);
-        sparse_cases::expect_minus_inf_rows(c);
-      }
-    }
-  }
+  check_fed_cases(true, sparse_cases::feed_minus_inf_logits, sparse_cases::expect_minus_inf_rows);
 }
 
 // Sinks of +inf (out 0), -inf (no effect) and finite values; lse excludes the sink. Run with a
