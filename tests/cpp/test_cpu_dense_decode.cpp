@@ -197,18 +197,24 @@ TEST(CpuDenseDecodeCorners, EmptyShortAndOverlongRequests) {
   }
 }
 
+// Checks a case of `cfg` changed by `feed`: against the reference, then by `expect`.
+void check_fed_case(ref::DenseCaseConfig cfg, void (*feed)(ref::DenseCase&),
+                    void (*expect)(const ref::DenseCase&)) {
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::DenseCase c = ref::make_dense_case(cfg);
+  feed(c);
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+  expect(c);
+}
+
 // NaN in tokens past some query tokens' causal horizon reaches only the query tokens that see
 // them: the tile they share with visible tokens used to carry them into the others as 0 * NaN.
 TEST(CpuDenseDecodeCorners, NanPastTheCausalHorizonStaysHidden) {
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
-    ref::DenseCaseConfig cfg = dense_cases::nan_past_horizon_config(format, 8, 53);
-    cfg.seed = test_seed();
-    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
-    ref::DenseCase c = ref::make_dense_case(cfg);
-    dense_cases::feed_nan_past_horizon(c);
-    const ref::CompareResult res = run_and_compare(c);
-    EXPECT_TRUE(res.ok) << res.summary();
-    dense_cases::expect_nan_only_past_horizon(c);
+    check_fed_case(dense_cases::nan_past_horizon_config(format, 8, 53),
+                   dense_cases::feed_nan_past_horizon, dense_cases::expect_nan_only_past_horizon);
   }
 }
 
@@ -219,13 +225,7 @@ TEST(CpuDenseDecodeCorners, RequestOfMinusInfLogitsReadsAsEmptyButForInfV) {
   for (KVFormat format : {KVFormat::kBF16, KVFormat::kFP16, KVFormat::kModel1, KVFormat::kV32}) {
     ref::DenseCaseConfig cfg = base(format, 2, 2, 8, 1, 64, 0, false);
     cfg.seqlens = {300, 5000};
-    cfg.seed = test_seed();
-    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
-    ref::DenseCase c = ref::make_dense_case(cfg);
-    dense_cases::feed_minus_inf_logits(c);
-    const ref::CompareResult res = run_and_compare(c);
-    EXPECT_TRUE(res.ok) << res.summary();
-    dense_cases::expect_minus_inf_rows(c);
+    check_fed_case(cfg, dense_cases::feed_minus_inf_logits, dense_cases::expect_minus_inf_rows);
   }
 }
 

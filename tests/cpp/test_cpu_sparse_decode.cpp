@@ -137,19 +137,25 @@ TEST(CpuSparseDecodeCorners, AllIndicesMinusOne) {
   }
 }
 
+// Checks a case of `cfg` changed by `feed`: against the reference, then by `expect`.
+void check_fed_case(ref::SparseCaseConfig cfg, void (*feed)(ref::SparseCase&),
+                    void (*expect)(const ref::SparseCase&)) {
+  cfg.seed = test_seed();
+  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
+  ref::SparseCase c = ref::make_sparse_case(cfg);
+  feed(c);
+  const ref::CompareResult res = run_and_compare(c);
+  EXPECT_TRUE(res.ok) << res.summary();
+  expect(c);
+}
+
 // NaN in a query row or in a referenced cache row makes the rows that use it NaN (out and lse),
 // as in the reference, wherever the NaN token sits in the list: a row of NaN logits alone used to
 // read as empty (out 0, lse +inf), and a NaN token in a tile before the first finite one was
 // dropped.
 TEST(CpuSparseDecodeCorners, NanInQueryOrReferencedRowPropagates) {
-  ref::SparseCaseConfig cfg = base(KVFormat::kV32, 2, 1, 8, 70, 64);
-  cfg.seed = test_seed();
-  SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
-  ref::SparseCase c = ref::make_sparse_case(cfg);
-  sparse_cases::feed_nan(c);
-  const ref::CompareResult res = run_and_compare(c);
-  EXPECT_TRUE(res.ok) << res.summary();
-  sparse_cases::expect_nan_where_fed(c);
+  check_fed_case(base(KVFormat::kV32, 2, 1, 8, 70, 64), sparse_cases::feed_nan,
+                 sparse_cases::expect_nan_where_fed);
 }
 
 // A list whose logits are all -inf (its one row -inf in a dim where q is positive): lse +inf and
@@ -159,13 +165,7 @@ TEST(CpuSparseDecodeCorners, ListOfMinusInfLogitsReadsAsEmptyButForInfV) {
   for (KVFormat format : {KVFormat::kModel1, KVFormat::kV32}) {
     ref::SparseCaseConfig cfg = base(format, 2, 2, 8, 70, 64);
     cfg.use_sink = true;
-    cfg.seed = test_seed();
-    SCOPED_TRACE("SPARSE_MLA_TEST_SEED=" + std::to_string(cfg.seed));
-    ref::SparseCase c = ref::make_sparse_case(cfg);
-    sparse_cases::feed_minus_inf_logits(c);
-    const ref::CompareResult res = run_and_compare(c);
-    EXPECT_TRUE(res.ok) << res.summary();
-    sparse_cases::expect_minus_inf_rows(c);
+    check_fed_case(cfg, sparse_cases::feed_minus_inf_logits, sparse_cases::expect_minus_inf_rows);
   }
 }
 
