@@ -250,6 +250,20 @@ void HostTensor::fill(double value) {
   });
 }
 
+std::vector<uint8_t> output_bytes(const HostTensor& out, const HostTensor& lse) {
+  std::vector<uint8_t> bytes;
+  for (const HostTensor* t : {&out, &lse}) {
+    const auto* base = static_cast<const uint8_t*>(t->data());
+    const size_t es = dtype_size(t->dtype());
+    t->for_each_index([&](const std::vector<int64_t>& idx) {
+      int64_t off = 0;
+      for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * t->strides()[d];
+      bytes.insert(bytes.end(), base + off * es, base + (off + 1) * es);
+    });
+  }
+  return bytes;
+}
+
 void HostTensor::fill_bytes(uint8_t byte) {
   std::memset(storage_.data(), byte, storage_.size() * sizeof(detail::AlignedBlock));
 }

@@ -297,6 +297,9 @@ struct MergeCase {
 };
 MergeCase make_merge_case(const MergeCaseConfig& config);
 
+// The bytes of out's logical elements, then lse's: what the bitwise determinism tests compare.
+std::vector<uint8_t> output_bytes(const HostTensor& out, const HostTensor& lse);
+
 // ---- template definitions ----
 template <typename F>
 void HostTensor::for_each_index(F&& f) const {

@@ -285,10 +285,7 @@ TEST(CpuSparseDecodeDeterminism, BitwiseAcrossRunsAndThreadCounts) {
     omp_set_num_threads(threads);
     c.poison_outputs();
     ASSERT_TRUE(sparse_decode(c.args(), Workspace{}, kCPU).ok());
-    std::vector<uint8_t> bytes(c.out.numel() * 2 + c.lse.numel() * 4);
-    std::memcpy(bytes.data(), c.out.data(), c.out.numel() * 2);
-    std::memcpy(bytes.data() + c.out.numel() * 2, c.lse.data(), c.lse.numel() * 4);
-    outs.push_back(std::move(bytes));
+    outs.push_back(ref::output_bytes(c.out, c.lse));
   }
   omp_set_num_threads(saved);
   for (size_t k = 1; k < outs.size(); ++k) EXPECT_EQ(outs[k], outs[0]) << "run " << k;

@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -226,13 +225,6 @@ void expect_reference_and_cpu(const Case& c, const ref::RefOutput& reference, re
   const ref::CompareResult res_cpu =
       ref::compare_outputs(c.out.view(), c.lse.view(), as_ref(cpu.out, cpu.lse), tol);
   EXPECT_TRUE(res_cpu.ok) << "vs CPU backend: " << res_cpu.summary();
-}
-
-inline std::vector<uint8_t> host_bytes(const ref::HostTensor& t) {
-  const size_t n = gpu_test::span_bytes(t.view());
-  std::vector<uint8_t> v(n);
-  std::memcpy(v.data(), t.data(), n);
-  return v;
 }
 
 // The support query, the workspace query and the run (sparse_* or dense_* entries) each refuse

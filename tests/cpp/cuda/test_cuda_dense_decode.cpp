@@ -396,10 +396,7 @@ TEST(CudaDenseDecodeDeterminism, BitwiseAcrossRuns) {
     d.poison_outputs();
     ASSERT_TRUE(decode_test::run_dense(d.args, stream));
     d.download(c);
-    std::vector<uint8_t> bytes = decode_test::host_bytes(c.out);
-    const std::vector<uint8_t> lse = decode_test::host_bytes(c.lse);
-    bytes.insert(bytes.end(), lse.begin(), lse.end());
-    outs.push_back(std::move(bytes));
+    outs.push_back(ref::output_bytes(c.out, c.lse));
   }
   EXPECT_TRUE(outs[0] == outs[1]);
   EXPECT_TRUE(outs[0] == outs[2]);
@@ -422,13 +419,6 @@ class ScopedCombineLayout {
 // Default choice first, then every layout (warps per row x dims per CTA).
 const char* const kCombineLayouts[] = {nullptr,  "w8d128", "w8d256", "w8d512",
                                        "w4d512", "w2d512", "w1d512", "w1d512b2r2"};
-
-std::vector<uint8_t> output_bytes(const ref::HostTensor& out, const ref::HostTensor& lse) {
-  std::vector<uint8_t> bytes = decode_test::host_bytes(out);
-  const std::vector<uint8_t> l = decode_test::host_bytes(lse);
-  bytes.insert(bytes.end(), l.begin(), l.end());
-  return bytes;
-}
 
 // The imbalanced batch of the performance targets (4641 / 45118 / 1730 / 1696 tokens, h_q 16,
 // causal): the long request is split over a hundred parts or more and merged by the combine
@@ -483,11 +473,11 @@ TEST(CudaDenseDecodeCombine, ImbalancedBatchEveryLayoutDeterministic) {
           }
         }
         if (layout == nullptr) {
-          first = output_bytes(c.out, c.lse);
+          first = ref::output_bytes(c.out, c.lse);
           d.poison_outputs();
           ASSERT_TRUE(decode_test::run_dense(d.args, stream));
           d.download(c);
-          EXPECT_TRUE(output_bytes(c.out, c.lse) == first) << "second run differs";
+          EXPECT_TRUE(ref::output_bytes(c.out, c.lse) == first) << "second run differs";
         }
       }
     }

@@ -516,10 +516,7 @@ TEST(CudaSparseDecodeDeterminism, BitwiseAcrossRuns) {
     d.poison_outputs();
     ASSERT_TRUE(decode_test::run_sparse(d.args, stream));
     d.download(c);
-    std::vector<uint8_t> bytes = decode_test::host_bytes(c.out);
-    const std::vector<uint8_t> lse = decode_test::host_bytes(c.lse);
-    bytes.insert(bytes.end(), lse.begin(), lse.end());
-    outs.push_back(std::move(bytes));
+    outs.push_back(ref::output_bytes(c.out, c.lse));
   }
   EXPECT_TRUE(outs[0] == outs[1]);
   EXPECT_TRUE(outs[0] == outs[2]);
