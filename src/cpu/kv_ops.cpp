@@ -318,30 +318,47 @@ Status repack_pages(const RepackArgs& args) {
   const int64_t max_src_pages = args.src_block_table.shape[1];
   const int64_t max_dst_pages = args.dst_block_table.shape[1];
   const int64_t capacity = std::min(max_src_pages * src.page_size, max_dst_pages * dst.page_size);
-  // Only the dst pages that can receive a token: a dst table far wider than the src one's
-  // capacity must not cost work (zero-stride tables can be 2^31 entries wide).
-  const int64_t dst_pages = (capacity + dst.page_size - 1) / dst.page_size;
-  // One work item per (request, dst page): items write disjoint pages unless the caller's
-  // tables name one page twice.
-#pragma omp parallel for collapse(2) schedule(dynamic, 4)
-  for (int64_t i = 0; i < b; ++i) {
-    for (int64_t dp = 0; dp < dst_pages; ++dp) {
-      const int64_t len = std::clamp<int64_t>(load_index(args.seqlens, i), 0, capacity);
-      const int64_t begin = dp * dst.page_size;
-      const int64_t end = std::min(begin + dst.page_size, len);
-      if (begin >= end) continue;
-      const int64_t dst_page = load_index2(args.dst_block_table, i, dp);
-      if (dst_page < 0 || dst_page >= dst.num_pages) continue;
-      for (int64_t t = begin; t < end;) {
-        const int64_t sp = t / src.page_size;
-        const int64_t src_t = t % src.page_size;
-        const int64_t n = std::min(end - t, src.page_size - src_t);
-        const int64_t src_page = load_index2(args.src_block_table, i, sp);
-        if (src_page >= 0 && src_page < src.num_pages) {
-          copy_run(src, src_page, src_t, dst, dst_page, t - begin, n);
-        }
-        t += n;
+  auto length = [&](int64_t i) {
+    return std::clamp<int64_t>(load_index(args.seqlens, i), 0, capacity);
+  };
+  auto dst_pages = [&](int64_t len) { return (len + dst.page_size - 1) / dst.page_size; };
+  // dst page dp of request i: its tokens [dp * dst.page_size, ...) below len.
+  auto copy_dst_page = [&](int64_t i, int64_t dp, int64_t len) {
+    const int64_t dst_page = load_index2(args.dst_block_table, i, dp);
+    if (dst_page < 0 || dst_page >= dst.num_pages) return;
+    const int64_t begin = dp * dst.page_size;
+    const int64_t end = std::min(begin + dst.page_size, len);
+    for (int64_t t = begin; t < end;) {
+      const int64_t sp = t / src.page_size;
+      const int64_t src_t = t % src.page_size;
+      const int64_t n = std::min(end - t, src.page_size - src_t);
+      const int64_t src_page = load_index2(args.src_block_table, i, sp);
+      if (src_page >= 0 && src_page < src.num_pages) {
+        copy_run(src, src_page, src_t, dst, dst_page, t - begin, n);
       }
+      t += n;
+    }
+  };
+  // Work items = (request, dst page) pairs below the request's length, numbered in request order;
+  // each thread takes one contiguous range of them and walks the lengths to its start. So the
+  // work is the tokens copied plus b length reads a thread, whatever the block tables' widths
+  // (zero-stride tables may be 2^31 entries wide). Items write disjoint pages unless the
+  // caller's tables name one page twice.
+  int64_t items = 0;
+#pragma omp parallel for reduction(+ : items)
+  for (int64_t i = 0; i < b; ++i) items += dst_pages(length(i));
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t first = items / nt * tid + std::min(tid, items % nt);
+    const int64_t last = first + items / nt + (tid < items % nt ? 1 : 0);
+    int64_t item = 0;  // items of the requests before i
+    for (int64_t i = 0; i < b && item < last; ++i) {
+      const int64_t len = length(i), n = dst_pages(len);
+      for (int64_t dp = std::max<int64_t>(first - item, 0); dp < n && item + dp < last; ++dp) {
+        copy_dst_page(i, dp, len);
+      }
+      item += n;
     }
   }
   return Status::Ok();

@@ -666,24 +666,34 @@ TEST(KvRepackRange, SkipsOutOfRangeTableEntriesAndClampsLengths) {
   EXPECT_EQ(page0[61 * 576 + 53 * 8], kSentinel);
 }
 
-// A dst table far wider than what the src table can fill (zero-stride tables of 2^31-1 entries)
-// costs only the pages that can receive a token; it used to walk every entry of every request
-// (2^47 work items here, which never finished).
+// Block tables far wider than the tokens to copy (zero-stride tables of 2^31-1 entries) cost only
+// those tokens. A dst table wider than the src table's capacity used to walk every entry of every
+// request, and two wide tables every (request, dst page) pair below the capacity, whatever the
+// lengths: 2^47 work items here, which never finished.
 TEST(KvRepackRange, WideTablesCostOnlyTheCopiableTokens) {
   HostCache src(KVFormat::kModel1, 1, 1, engine_stride(1));
   std::mt19937_64 rng(5);
   for (int64_t k = 0; k < src.size(); ++k) src.bytes()[k] = static_cast<uint8_t>(rng());
-  HostCache dst(KVFormat::kModel1, 1, 1, engine_stride(1));
   const int64_t b = 1 << 16, wide = (int64_t{1} << 31) - 1;
   int32_t zero = 0;
-  std::vector<int32_t> lens(b, 0);
-  lens[0] = 1 << 30;  // clamped to the src table's one token; the other requests are empty
-  RepackArgs args{src.kv, dst.kv,
-                  TensorView::strided(&zero, DType::kInt32, Device{}, {b, 1}, {0, 0}),
-                  TensorView::strided(&zero, DType::kInt32, Device{}, {b, wide}, {0, 0}),
-                  i32_view(lens)};
-  ASSERT_TRUE(repack_pages(args, kCPU).ok());
-  EXPECT_EQ(std::memcmp(dst.bytes(), src.bytes(), 584), 0);  // token 0 and its page's scales
+  for (const int64_t src_width : {int64_t{1}, wide}) {
+    SCOPED_TRACE("src table width " + std::to_string(src_width));
+    HostCache dst(KVFormat::kModel1, 1, 1, engine_stride(1));
+    std::vector<int32_t> lens(b, 0);
+    // Narrow src table: clamped to its one token. Wide: three tokens of the last request, each
+    // from src page 0 into dst page 0. The other requests are empty.
+    if (src_width == 1) {
+      lens[0] = 1 << 30;
+    } else {
+      lens[b - 1] = 3;
+    }
+    RepackArgs args{src.kv, dst.kv,
+                    TensorView::strided(&zero, DType::kInt32, Device{}, {b, src_width}, {0, 0}),
+                    TensorView::strided(&zero, DType::kInt32, Device{}, {b, wide}, {0, 0}),
+                    i32_view(lens)};
+    ASSERT_TRUE(repack_pages(args, kCPU).ok());
+    EXPECT_EQ(std::memcmp(dst.bytes(), src.bytes(), 584), 0);  // token 0 and its page's scales
+  }
 }
 
 // The branch-free conversions of the CPU KV tools against format.h: every bf16 pattern, each with

@@ -10,6 +10,7 @@
 #include <string>
 #include <type_traits>
 
+#include "src/cuda/common/block_scan.cuh"
 #include "src/cuda/common/check.h"
 #include "src/cuda/common/divider.h"
 #include "src/cuda/cuda_backend.h"
@@ -428,10 +429,11 @@ __global__ void __launch_bounds__(256) dequantize_kernel(DequantizeParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Page repack. Work item = (request, chunk of kRepackTokens consecutive tokens). The block first
-// resolves every token of its chunk to a source and destination address (or skips it), then
-// copies the chunk with 16-byte vectors spread over all threads, so pages of any size (2, 53,
-// 256) keep every thread busy and a 256 -> 64 repack is one pass over the bytes named.
+// Page repack. Work item = a chunk of kRepackTokens consecutive tokens below its request's
+// length. The block first resolves every token of its chunk to a source and destination address
+// (or skips it), then copies the chunk with 16-byte vectors spread over all threads, so pages of
+// any size (2, 53, 256) keep every thread busy and a 256 -> 64 repack is one pass over the bytes
+// named.
 
 constexpr int kRepackThreads = 256;
 constexpr int kRepackTokens = 64;
@@ -450,78 +452,111 @@ struct RepackParams {
   int64_t seqlens_stride;
   int64_t b;
   int64_t capacity;       // min(max_src_pages * src_page_size, max_dst_pages * dst_page_size)
-  int64_t chunks;         // per request: ceil(capacity / kRepackTokens)
   int64_t row_bytes;      // bytes copied per token in the row part (MODEL1: 576; else all)
   int vectors_per_token;  // row_bytes / 16
 };
 
+// Copies tokens [t0, t0 + ntok) of request i, 0 < ntok <= kRepackTokens. Every thread calls.
 // Token rows are 16-byte multiples in every format: MODEL1 576, V32 656, dense h_kv * 1152.
 template <KVFormat kFormat, int kVPT>
-__global__ void __launch_bounds__(kRepackThreads) repack_kernel(RepackParams p) {
+__device__ __forceinline__ void repack_chunk(const RepackParams& p, int64_t i, int64_t t0,
+                                             int ntok) {
   __shared__ int64_t src_row[kRepackTokens];  // byte offset of the token's row; -1: skip
   __shared__ int64_t dst_row[kRepackTokens];
   __shared__ int64_t src_scale[kRepackTokens];  // MODEL1 footer offsets
   __shared__ int64_t dst_scale[kRepackTokens];
   const int vpt = kVPT > 0 ? kVPT : p.vectors_per_token;
-  const int64_t items = p.b * p.chunks;
-
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t i = item / p.chunks;
-    const int64_t t0 = (item - i * p.chunks) * kRepackTokens;
-    const int64_t len =
-        min(max(static_cast<int64_t>(p.seqlens[i * p.seqlens_stride]), int64_t{0}), p.capacity);
-    if (t0 >= len) continue;  // uniform over the block
-    const int ntok = static_cast<int>(min(int64_t{kRepackTokens}, len - t0));
-
-    if (threadIdx.x < ntok) {
-      const int64_t t = t0 + threadIdx.x;
-      const int64_t sp = t / p.src_page_size, st = t - sp * p.src_page_size;
-      const int64_t dp = t / p.dst_page_size, dt = t - dp * p.dst_page_size;
-      const int64_t src_page = p.src_table[i * p.src_table_s0 + sp * p.src_table_s1];
-      const int64_t dst_page = p.dst_table[i * p.dst_table_s0 + dp * p.dst_table_s1];
-      const bool ok = src_page >= 0 && src_page < p.src_num_pages && dst_page >= 0 &&
-                      dst_page < p.dst_num_pages;
-      src_row[threadIdx.x] = ok ? src_page * p.src_page_stride + st * p.row_bytes : -1;
-      dst_row[threadIdx.x] = dst_page * p.dst_page_stride + dt * p.row_bytes;
-      if constexpr (kFormat == KVFormat::kModel1) {
-        src_scale[threadIdx.x] =
-            src_page * p.src_page_stride + fmt::model1_scale_offset(p.src_page_size, st);
-        dst_scale[threadIdx.x] =
-            dst_page * p.dst_page_stride + fmt::model1_scale_offset(p.dst_page_size, dt);
-      }
+  if (threadIdx.x < ntok) {
+    const int64_t t = t0 + threadIdx.x;
+    const int64_t sp = t / p.src_page_size, st = t - sp * p.src_page_size;
+    const int64_t dp = t / p.dst_page_size, dt = t - dp * p.dst_page_size;
+    const int64_t src_page = p.src_table[i * p.src_table_s0 + sp * p.src_table_s1];
+    const int64_t dst_page = p.dst_table[i * p.dst_table_s0 + dp * p.dst_table_s1];
+    const bool ok =
+        src_page >= 0 && src_page < p.src_num_pages && dst_page >= 0 && dst_page < p.dst_num_pages;
+    src_row[threadIdx.x] = ok ? src_page * p.src_page_stride + st * p.row_bytes : -1;
+    dst_row[threadIdx.x] = dst_page * p.dst_page_stride + dt * p.row_bytes;
+    if constexpr (kFormat == KVFormat::kModel1) {
+      src_scale[threadIdx.x] =
+          src_page * p.src_page_stride + fmt::model1_scale_offset(p.src_page_size, st);
+      dst_scale[threadIdx.x] =
+          dst_page * p.dst_page_stride + fmt::model1_scale_offset(p.dst_page_size, dt);
     }
-    __syncthreads();
+  }
+  __syncthreads();
 
-    const int total = ntok * vpt;
-    for (int base = threadIdx.x; base < total; base += kRepackThreads * kRepackUnroll) {
-      uint4 v[kRepackUnroll];
-      int64_t to[kRepackUnroll];
+  const int total = ntok * vpt;
+  for (int base = threadIdx.x; base < total; base += kRepackThreads * kRepackUnroll) {
+    uint4 v[kRepackUnroll];
+    int64_t to[kRepackUnroll];
 #pragma unroll
-      for (int u = 0; u < kRepackUnroll; ++u) {
-        const int k = base + u * kRepackThreads;
-        to[u] = -1;
-        if (k < total) {
-          const int tok = k / vpt;
-          const int chunk = k - tok * vpt;
-          const int64_t from = src_row[tok];
-          if (from >= 0) {
-            v[u] = __ldcs(reinterpret_cast<const uint4*>(p.src + from) + chunk);
-            to[u] = dst_row[tok] + 16 * static_cast<int64_t>(chunk);
-          }
+    for (int u = 0; u < kRepackUnroll; ++u) {
+      const int k = base + u * kRepackThreads;
+      to[u] = -1;
+      if (k < total) {
+        const int tok = k / vpt;
+        const int chunk = k - tok * vpt;
+        const int64_t from = src_row[tok];
+        if (from >= 0) {
+          v[u] = __ldcs(reinterpret_cast<const uint4*>(p.src + from) + chunk);
+          to[u] = dst_row[tok] + 16 * static_cast<int64_t>(chunk);
         }
       }
+    }
 #pragma unroll
-      for (int u = 0; u < kRepackUnroll; ++u) {
-        if (to[u] >= 0) __stcs(reinterpret_cast<uint4*>(p.dst + to[u]), v[u]);
-      }
+    for (int u = 0; u < kRepackUnroll; ++u) {
+      if (to[u] >= 0) __stcs(reinterpret_cast<uint4*>(p.dst + to[u]), v[u]);
     }
-    if constexpr (kFormat == KVFormat::kModel1) {
-      if (threadIdx.x < ntok && src_row[threadIdx.x] >= 0) {
-        const uint2 s = __ldcs(reinterpret_cast<const uint2*>(p.src + src_scale[threadIdx.x]));
-        __stcs(reinterpret_cast<uint2*>(p.dst + dst_scale[threadIdx.x]), s);
-      }
+  }
+  if constexpr (kFormat == KVFormat::kModel1) {
+    if (threadIdx.x < ntok && src_row[threadIdx.x] >= 0) {
+      const uint2 s = __ldcs(reinterpret_cast<const uint2*>(p.src + src_scale[threadIdx.x]));
+      __stcs(reinterpret_cast<uint2*>(p.dst + dst_scale[threadIdx.x]), s);
     }
-    __syncthreads();  // the next item rewrites the shared tables
+  }
+  __syncthreads();  // the next chunk rewrites the shared tables
+}
+
+template <KVFormat kFormat, int kVPT>
+__global__ void __launch_bounds__(kRepackThreads) repack_kernel(RepackParams p) {
+  // The work items of the call (chunks below their request's length) in request order are
+  // numbered 0, 1, ...; block x takes items x, x + gridDim.x, ... Each block reads the lengths
+  // kRepackThreads requests at a time and numbers their items by a prefix sum, so the work is the
+  // tokens copied plus b / kRepackThreads windows a block, whatever the block tables' widths
+  // (zero-stride tables may be 2^31 entries wide).
+  __shared__ int64_t items_end[kRepackThreads];  // inclusive prefix of the window's item counts
+  __shared__ int32_t window_len[kRepackThreads];
+  int64_t before = 0;         // items of the windows before this one
+  int64_t next = blockIdx.x;  // the next item this block takes
+  for (int64_t w = 0; w < p.b; w += kRepackThreads) {
+    const int64_t r = w + threadIdx.x;
+    int64_t len = 0;
+    if (r < p.b) {
+      len = min(max(static_cast<int64_t>(p.seqlens[r * p.seqlens_stride]), int64_t{0}), p.capacity);
+    }
+    const int64_t n = (len + kRepackTokens - 1) / kRepackTokens;
+    int64_t window = 0;
+    items_end[threadIdx.x] = block_exclusive_scan<kRepackThreads>(n, &window) + n;
+    window_len[threadIdx.x] = static_cast<int32_t>(len);
+    __syncthreads();
+    for (; next < before + window; next += gridDim.x) {
+      // The item's request: the first in the window whose items_end passes it.
+      const int64_t k = next - before;
+      int lo = 0, hi = kRepackThreads - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (items_end[mid] > k) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      const int64_t t0 = (k - (lo == 0 ? 0 : items_end[lo - 1])) * kRepackTokens;
+      const int ntok = static_cast<int>(min(int64_t{kRepackTokens}, window_len[lo] - t0));
+      repack_chunk<kFormat, kVPT>(p, w + lo, t0, ntok);
+    }
+    before += window;
+    __syncthreads();  // the next window rewrites items_end and window_len
   }
 }
 
@@ -687,11 +722,12 @@ Status repack_pages(const RepackArgs& args, void* stream) {
   p.b = b;
   // Lengths are int32, so tokens past 2^31 - 1 are never named.
   p.capacity = std::min<int64_t>(capacity, INT32_MAX);
-  p.chunks = (p.capacity + kRepackTokens - 1) / kRepackTokens;
   p.row_bytes = format == KVFormat::kModel1 ? kModel1RowBytes : args.src.bytes_per_token();
   p.vectors_per_token = static_cast<int>(p.row_bytes / 16);
-  // Enough resident blocks to cover the memory latency; idle items exit after one length read.
-  const int64_t grid = std::min<int64_t>(b * p.chunks, int64_t{sms} * 16);
+  // Enough resident blocks to cover the memory latency; blocks past the call's items only read
+  // the lengths.
+  const int64_t chunks = (p.capacity + kRepackTokens - 1) / kRepackTokens;
+  const int64_t grid = std::min<int64_t>(b * chunks, int64_t{sms} * 16);
   auto s = static_cast<cudaStream_t>(stream);
   const unsigned g = static_cast<unsigned>(grid);
   switch (format) {

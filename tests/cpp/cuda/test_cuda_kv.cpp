@@ -501,6 +501,35 @@ TEST(CudaKV, RepackMatchesCpuAndByteModel) {
   }
   // The production shape: engine strides, many requests, thousands of tokens each.
   run_repack_case({KVFormat::kModel1, 1, 256, 64, 0, 0, 16, 4096, true, false}, seed + 4);
+  // More requests than a block reads lengths at a time (256), most of them short or empty.
+  run_repack_case({KVFormat::kModel1, 1, 64, 2, 0, 0, 600, 90, true, false}, seed + 5);
+}
+
+// Block tables 2^31-1 entries wide (zero strides) over 2^16 requests, all empty but the last,
+// which copies three tokens from src page 0 into dst page 0: the work is those tokens. The kernel
+// used to visit every (request, 64-token chunk) below the tables' capacity, 2^41 items here.
+TEST(CudaKV, RepackWideTablesCostOnlyTheCopiableTokens) {
+  SKIP_WITHOUT_GPU();
+  ref::Rng rng(gpu_test::test_seed());
+  ref::HostCache src = make_cache(KVFormat::kModel1, 1, 1, 0);
+  ref::HostCache dst = make_cache(KVFormat::kModel1, 1, 1, 0);
+  random_bytes(rng, image(src), src.bytes());
+  random_bytes(rng, image(dst), dst.bytes());
+  const int64_t b = 1 << 16, wide = kMaxI32;
+  int32_t zero = 0;
+  std::vector<int32_t> lens(b, 0);
+  lens[b - 1] = 3;
+  DeviceKV dsrc = gpu_test::to_device(src.desc());
+  DeviceKV ddst = gpu_test::to_device(dst.desc());
+  DeviceTensor dtable = gpu_test::to_device(
+      TensorView::strided(&zero, DType::kInt32, Device{}, {b, wide}, {0, 0}));
+  DeviceTensor dlen = gpu_test::to_device(ref::make_int_tensor(lens).view());
+  Stream stream;
+  const Status st =
+      repack_pages({dsrc.kv, ddst.kv, dtable.view, dtable.view, dlen.view}, stream.options());
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_TRUE(stream.sync());
+  EXPECT_TRUE(same_bytes(gpu_test::to_host_bytes(ddst), image(src), dst.desc()));
 }
 
 // ---------------------------------------------------------------------------------------------

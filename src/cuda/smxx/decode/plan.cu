@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "src/cuda/common/block_scan.cuh"
 #include "src/cuda/common/check.h"
 #include "src/cuda/smxx/decode/launch.h"
 #include "src/cuda/smxx/decode/params.h"
@@ -19,34 +20,6 @@ constexpr int kMaxSnapParts = 1024;
 constexpr int kOrderIdBits = 11;
 constexpr int kMaxOrderPairs = 1 << kOrderIdBits;
 static_assert(kMaxSnapParts <= kPlanThreads && kMaxOrderPairs % kPlanThreads == 0);
-
-// Exclusive prefix sum over the CTA; *total gets the sum of all values. Every thread must call.
-__device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
-  __shared__ int64_t warp_sums[kPlanThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int64_t x = v;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int64_t y = __shfl_up_sync(0xffffffffu, x, d);
-    if (lane >= d) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int64_t w = warp_sums[lane];
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t y = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += y;
-    }
-    warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  const int64_t before = warp == 0 ? 0 : warp_sums[warp - 1];
-  *total = warp_sums[kPlanThreads / 32 - 1];
-  __syncthreads();  // warp_sums is reused by the next call
-  return before + x - v;
-}
 
 // Largest v over the CTA. Every thread must call.
 __device__ int64_t block_max(int64_t v) {
@@ -125,7 +98,7 @@ __device__ bool order_pairs_by_cost(const PlanParams& p, int G, int64_t limit, i
   }
   if (block_max(load) > limit) return false;
   int64_t total;
-  const int64_t before = block_exclusive_scan(load, &total);
+  const int64_t before = block_exclusive_scan<kPlanThreads>(load, &total);
   if (tid < G) starts[tid] = before;
   if (tid == 0) starts[G] = total;
   __syncthreads();
@@ -190,7 +163,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
       cost = ovh + pair_tiles(info.len, T);
     }
     int64_t total;
-    const int64_t before = block_exclusive_scan(cost, &total);
+    const int64_t before = block_exclusive_scan<kPlanThreads>(cost, &total);
     if (pr < p.num_pairs) {
       info.cost_begin = carry + before;
       info.id = pr;
@@ -317,7 +290,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constan
       need = nsplit > 1 ? nsplit : 0;
     }
     int64_t total;
-    const int64_t before = block_exclusive_scan(need, &total);
+    const int64_t before = block_exclusive_scan<kPlanThreads>(need, &total);
     if (pr < p.num_pairs) {
       p.pairs[pr].first_part = first;
       p.pairs[pr].nsplit = nsplit;
