@@ -73,7 +73,8 @@ Status dense_decode(const DenseDecodeArgs& args, const Workspace& workspace,
 
 // ---- Merge of partial attention results (e.g. from several GPUs) ----
 // A part whose lse is +inf or -inf is empty and contributes nothing. The sink, if given, is applied
-// once to the merged result; the returned lse excludes it.
+// once to the merged result (so the parts must come from decode calls without attn_sink); the
+// returned lse excludes it.
 struct MergeArgs {
   TensorView out_parts;                 // [n, b, s_q, h_q, d_v] float32 or bf16
   TensorView lse_parts;                 // [n, b, s_q, h_q] float32, natural log
