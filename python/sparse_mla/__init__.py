@@ -124,10 +124,13 @@ def _output_dtype(x: Any, name: str, allowed: Tuple[str, ...]) -> str:
     return dtype
 
 
-def _dtype_option(value: str, name: str, allowed: Tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name}: '{value}', expected " + " or ".join(f"'{a}'" for a in allowed))
-    return value
+def _dtype_option(value: Any, name: str, allowed: Tuple[str, ...]) -> str:
+    """A dtype option given by name or as a torch / numpy dtype, as its name."""
+    text = value if isinstance(value, str) else str(value).replace("torch.", "")
+    if text not in allowed:
+        raise ValueError(f"{name}: {value!r}, expected " + " or ".join(f"'{a}'" for a in allowed)
+                         + " (or the torch / numpy dtype)")
+    return text
 
 
 def _allocator(like: Any, stream: Optional[int] = None):
@@ -339,14 +342,15 @@ def is_supported(op: str, *args, **kwargs) -> Support:
 
 
 def merge_attention(out_parts: Union[Any, Sequence[Any]], lse_parts: Union[Any, Sequence[Any]],
-                    *, attn_sink=None, out=None, lse=None, out_dtype: Optional[str] = None,
+                    *, attn_sink=None, out=None, lse=None, out_dtype: Any = None,
                     backend: Optional[str] = None, stream: Any = None):
     """Merges partial attention results of disjoint key sets. Returns ``(out, lse)``.
 
     out_parts ``[n, b, s_q, h_q, d_v]`` float32 or bf16 (or a sequence of n ``[b, s_q, h_q, d_v]``
     arrays), lse_parts ``[n, b, s_q, h_q]`` float32 natural-log (or a sequence). A part with lse
     +-inf is empty. The sink, if given, is applied once to the merged result. out
-    ``[b, s_q, h_q, d_v]`` in `out_dtype` (default: the dtype of out_parts), lse ``[b, h_q, s_q]``.
+    ``[b, s_q, h_q, d_v]`` in `out_dtype` ('float32' or 'bfloat16', or the torch / numpy dtype;
+    default: the dtype of out_parts), lse ``[b, h_q, s_q]``.
     """
     on = _explicit_stream(_first(out_parts), stream)
     if isinstance(out_parts, (list, tuple)):
@@ -392,15 +396,16 @@ def _cache_d_qk(k_cache) -> int:
     return _D_QK_OF_LAST_DIM[last]
 
 
-def dequantize(k_cache, slots, *, out=None, dtype: str = "float32",
+def dequantize(k_cache, slots, *, out=None, dtype: Any = "float32",
                backend: Optional[str] = None, stream: Any = None):
     """Reads `slots` ``[n]`` of a cache back as ``[n, d_qk]`` rows (FP8 dequantized exactly; head
-    0 of dense caches; slot -1 gives zeros), in `dtype` 'float32' or 'bfloat16'."""
+    0 of dense caches; slot -1 gives zeros), in `dtype` 'float32' or 'bfloat16' (or the torch /
+    numpy dtype)."""
     if _is_compiling():
         return _ops.dequantize(k_cache, slots, out=out, dtype=dtype, backend=backend)
     if out is None:
         n = _array_shape(slots, "slots", 1)[0]
-        _dtype_option(dtype, "dtype", ("float32", "bfloat16"))
+        dtype = _dtype_option(dtype, "dtype", ("float32", "bfloat16"))
         out = _arrays.empty(k_cache, (n, _cache_d_qk(k_cache)), dtype,
                             _explicit_stream(k_cache, stream))
     _ext.dequantize(_arrays.native(k_cache, "k_cache"), _arrays.native(slots, "slots"),

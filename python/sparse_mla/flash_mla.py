@@ -9,7 +9,9 @@
 
 Same arguments, defaults, output shapes and strides and lse conventions as FlashMLA, and more
 shapes: any h_q, any topk, any page size, CPU tensors (CPU backend), every feature for V3.2 pages
-as well as MODEL1. The plan is built on the device by the first call with a fresh
+as well as MODEL1. FP8 pages may come as float8_e4m3fn, uint8 or int8 tensors, as FlashMLA takes
+them. Not taken: dense decode over 512-wide bf16/fp16 caches (FlashMLA's head_size_k 512; the
+16-bit dense pages here are 576 wide), and FlashMLA's other functions (flash_attn_varlen_*). The plan is built on the device by the first call with a fresh
 ``FlashMLASchedMeta`` (inside a CUDA graph too) and reused by later calls, which must keep the same
 configuration (a mismatch raises :class:`FlashMLAConfigError`).
 
@@ -21,6 +23,7 @@ them into captured buffers; calls given them plan inside every call, which is gr
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 from typing import Any, Optional, Tuple, Union
 
@@ -132,6 +135,27 @@ def _is_fp8_cache(k_cache: torch.Tensor) -> bool:
     return k_cache.element_size() == 1
 
 
+def _check_arrays(q, k_cache, indices, extra_k_cache, softmax_scale) -> None:
+    """What _config_of reads, checked first so that a wrong argument is named."""
+    for name, x, rank in (("q", q, 4), ("k_cache", k_cache, 4), ("indices", indices, 3),
+                          ("extra_k_cache", extra_k_cache, 4)):
+        if x is None and name in ("indices", "extra_k_cache"):
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: {type(x).__name__}, expected a torch.Tensor")
+        if x.dim() != rank:
+            raise ValueError(f"{name}: rank {x.dim()} (shape {tuple(x.shape)}), expected {rank}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"softmax_scale: {type(softmax_scale).__name__}, expected a float or None")
+
+
+def _cache_bytes(cache: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """FlashMLA takes FP8 pages as float8_e4m3fn, uint8 or int8 tensors; int8 ones are read as
+    the same bytes."""
+    return cache.view(torch.uint8) if cache is not None and cache.dtype == torch.int8 else cache
+
+
 def _check_request(k_cache, head_dim_v, causal, is_fp8_kvcache, block_table, cache_seqlens,
                    indices, attn_sink, extra_k_cache, extra_indices, topk_length,
                    extra_topk_length) -> None:
@@ -196,6 +220,8 @@ def flash_mla_with_kvcache(
     """
     if descale_q is not None or descale_k is not None:
         raise NotImplementedError("descale_q/descale_k: FP8 queries are not supported; pass bf16 q")
+    _check_arrays(q, k_cache, indices, extra_k_cache, softmax_scale)
+    k_cache, extra_k_cache = _cache_bytes(k_cache), _cache_bytes(extra_k_cache)
     meta = tile_scheduler_metadata
     uses_meta = isinstance(meta, FlashMLASchedMeta)
     if not uses_meta and not isinstance(meta, torch.Tensor):

@@ -60,6 +60,13 @@ def test_native_kv_tools_on_cpu_tensors():
     assert deq.dtype == torch.float32 and deq.shape == (5, 512)
     assert torch.all(deq[2] == 0)
     assert torch.allclose(deq[[0, 1, 3, 4]], rows[[0, 1, 3, 4]], atol=0.07, rtol=0.07)
+    # dtype options by name or as the torch dtype, alike eagerly and under torch.compile
+    deq_bf16 = sm.dequantize(kc, slots, dtype=torch.bfloat16)
+    assert deq_bf16.dtype == torch.bfloat16
+    assert torch.equal(deq_bf16, sm.dequantize(kc, slots, dtype="bfloat16"))
+    parts, lses = torch.stack([deq, deq])[:, None, None], torch.zeros(2, 1, 1, 5)
+    merged, _ = sm.merge_attention(parts, lses, out_dtype=torch.bfloat16)
+    assert merged.dtype == torch.bfloat16 and torch.equal(merged[0, 0], deq.bfloat16())
 
 
 # ------------------------------------------------------------------- flash_mla drop-in
@@ -127,9 +134,47 @@ def test_flash_mla_argument_checks():
         flash_mla.flash_mla_with_kvcache(kw["q"], kw["k_cache"], torch.zeros(2, 1, dtype=torch.int32),
                                          torch.zeros(2, dtype=torch.int32), 512, meta,
                                          is_fp8_kvcache=True, attn_sink=torch.zeros(8))
+    # What the drop-in reads itself is checked before it is read, by name.
+    q, kc, idx = kw["q"], kw["k_cache"], kw["indices"]
+    with pytest.raises(ValueError, match=r"q: rank 2 \(shape \(8, 512\)\), expected 4"):
+        flash_mla.flash_mla_with_kvcache(q[0, 0], kc, None, None, 512, meta,
+                                         is_fp8_kvcache=True, indices=idx)
+    with pytest.raises(ValueError, match="k_cache: rank 3"):
+        flash_mla.flash_mla_with_kvcache(q, kc[:, :, 0], None, None, 512, meta,
+                                         is_fp8_kvcache=True, indices=idx)
+    with pytest.raises(TypeError, match="q: ndarray, expected a torch.Tensor"):
+        flash_mla.flash_mla_with_kvcache(q.float().numpy(), kc, None, None, 512, meta,
+                                         is_fp8_kvcache=True, indices=idx)
+    with pytest.raises(TypeError, match="softmax_scale: Tensor, expected a float or None"):
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, softmax_scale=torch.tensor(
+            0.05), is_fp8_kvcache=True, indices=idx)
+    # 512-wide bf16 dense caches (FlashMLA's head_size_k 512) are refused by name.
+    with pytest.raises(ValueError, match="k_cache: last dim 512"):
+        flash_mla.flash_mla_with_kvcache(
+            torch.zeros(2, 1, 8, 512, dtype=torch.bfloat16),
+            torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 512, meta)
     assert not meta.have_initialized  # failed calls leave the metadata fresh
     with pytest.raises(NotImplementedError):
         flash_mla.flash_mla_sparse_fwd(kw["q"][0], kw["q"][0], kw["indices"][0], 0.1)
+
+
+def test_flash_mla_takes_int8_fp8_pages():
+    # FlashMLA takes FP8 pages as float8_e4m3fn, uint8 or int8 tensors: the same bytes.
+    p = sparse_problem(32, extra=(30, 2, 20))
+    kw = torch_kwargs(p)
+    results = []
+    for dtype in (torch.uint8, torch.int8):
+        meta, _ = flash_mla.get_mla_metadata()
+        results.append(flash_mla.flash_mla_with_kvcache(
+            kw["q"], kw["k_cache"].view(dtype), None, None, 512, meta, is_fp8_kvcache=True,
+            indices=kw["indices"], attn_sink=kw["attn_sink"],
+            extra_k_cache=kw["extra_k_cache"].view(dtype),
+            extra_indices_in_kvcache=kw["extra_indices"], topk_length=kw["topk_length"],
+            extra_topk_length=kw["extra_topk_length"]))
+    (out_u8, lse_u8), (out_i8, lse_i8) = results
+    assert torch.equal(out_u8, out_i8) and torch.equal(lse_u8, lse_i8)
+    assert_close(out_i8, lse_i8, *reference_of(p))
 
 
 def test_flash_mla_first_call_failing_in_the_library_leaves_the_metadata_fresh():
