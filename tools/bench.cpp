@@ -2,6 +2,7 @@
 // result against the fp64 reference, and writes a table, JSON and CSV. See docs/benchmarking.md.
 #include <omp.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -466,6 +467,19 @@ int bench_command(int argc, char** argv) {
     std::fprintf(stderr, "sparse-mla bench: no case matches filter '%s'%s (see --list)\n",
                  cfg.filter.c_str(), cfg.quick ? " in --quick" : "");
     return 2;
+  }
+  if (cfg.save && !cfg.list) {  // checked now, not after a long run whose files would be lost
+    const size_t slash = cfg.out_prefix.rfind('/');
+    const std::string dir = !cfg.out_dir.empty()      ? cfg.out_dir
+                            : !cfg.out_prefix.empty() ? (slash == std::string::npos ? "."
+                                                         : cfg.out_prefix.substr(0, slash + 1))
+                                                      : "";
+    if (!dir.empty() && (!is_dir(dir) || access(dir.c_str(), W_OK) != 0)) {
+      std::fprintf(stderr, "sparse-mla bench: %s %s: not a writable directory\n",
+                   cfg.out_dir.empty() ? "--out" : "--out-dir",
+                   (cfg.out_dir.empty() ? cfg.out_prefix : cfg.out_dir).c_str());
+      return 2;
+    }
   }
   if (cfg.list) {
     for (const Case& c : cases) {

@@ -1,6 +1,7 @@
 // `sparse-mla`: the command line. Dispatches to the subcommands of tools/commands.h.
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 #include "tools/commands.h"
 
@@ -15,9 +16,7 @@ void print_usage(FILE* to) {
                "Run `sparse-mla <command> --help` for a command's options.\n");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int dispatch(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     print_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
@@ -27,4 +26,17 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "sparse-mla: unknown command '%s'\n", argv[1]);
   print_usage(stderr);
   return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The commands size their host arrays by the options; the memory checks before them are
+  // estimates, so an allocation that still fails ends the command with a message.
+  try {
+    return dispatch(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "sparse-mla: out of host memory; try a smaller --batch or --context\n");
+    return 1;
+  }
 }

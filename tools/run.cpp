@@ -309,16 +309,21 @@ struct Step {
   int64_t position(int64_t i, int64_t s) const { return lens[i] - s_q + s; }
 };
 
-// Bytes of host memory the caches take, to refuse runs this machine cannot hold.
+// Bytes of host memory the step takes (the caches, the index tensors, a layer's q and its two
+// output copies), to refuse runs this machine cannot hold.
 double estimate_bytes(const Config& cfg) {
   const double b = static_cast<double>(cfg.batch);
   const double l = static_cast<double>(cfg.context) * 1.25;
   const double window_pages = b * 2 + 1;
   const double c4_pages = b * (std::ceil(l / 4 / kC4Page) + 1) + 1;
   const double c128_pages = b * (std::ceil(l / 128 / kC128Page) + 1) + 1;
+  const double rows = b * (cfg.mtp ? 2 : 1);  // query tokens
+  const double index_bytes = rows * (kWindow + static_cast<double>(cfg.c4_topk) + l / 128) * 4;
+  const double row_bytes = rows * static_cast<double>(cfg.h_q) * (3 * kDV * 2 + 2 * 4);
   return window_pages * ref::default_page_stride(KVFormat::kModel1, kWindowPage) +
          c4_pages * ref::default_page_stride(KVFormat::kModel1, kC4Page) +
-         c128_pages * ref::default_page_stride(KVFormat::kModel1, kC128Page);
+         c128_pages * ref::default_page_stride(KVFormat::kModel1, kC128Page) + index_bytes +
+         row_bytes;
 }
 
 // Quantize-stores random latent rows into `slots` of a cache through the library (CPU backend),
@@ -745,7 +750,7 @@ int run_command(int argc, char** argv) {
       static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   if (have > 0 && need > 0.6 * have) {
     return usage_error("--batch " + std::to_string(cfg.batch) + " --context " +
-                       std::to_string(cfg.context) + ": the caches need about " +
+                       std::to_string(cfg.context) + ": the step needs about " +
                        fmt_double("%.1f", need / (1 << 30)) + " GiB, expected at most " +
                        fmt_double("%.1f", 0.6 * have / (1 << 30)) +
                        " GiB (60% of this machine's memory)");
