@@ -11,9 +11,10 @@ Same arguments, defaults, output shapes and strides and lse conventions as Flash
 shapes: any h_q, any topk, any page size, CPU tensors (CPU backend), every feature for V3.2 pages
 as well as MODEL1. FP8 pages may come as float8_e4m3fn, uint8 or int8 tensors, as FlashMLA takes
 them. Not taken: dense decode over 512-wide bf16/fp16 caches (FlashMLA's head_size_k 512; the
-16-bit dense pages here are 576 wide), and FlashMLA's other functions (flash_attn_varlen_*). The plan is built on the device by the first call with a fresh
-``FlashMLASchedMeta`` (inside a CUDA graph too) and reused by later calls, which must keep the same
-configuration (a mismatch raises :class:`FlashMLAConfigError`).
+16-bit dense pages here are 576 wide), and FlashMLA's other functions (flash_attn_varlen_*).
+The plan is built on the device by the first call with a fresh ``FlashMLASchedMeta`` (inside a
+CUDA graph too) and reused by later calls, which must keep the same configuration (a mismatch
+raises :class:`FlashMLAConfigError`).
 
 The older explicit-metadata form (``get_mla_metadata(cache_seqlens, ...)`` returning tensors, as
 sgl-kernel's wrapper accepts) works too: those tensors keep FlashMLA's shapes so engines can copy
@@ -135,11 +136,12 @@ def _is_fp8_cache(k_cache: torch.Tensor) -> bool:
     return k_cache.element_size() == 1
 
 
-def _check_arrays(q, k_cache, indices, extra_k_cache, softmax_scale) -> None:
+def _check_arrays(q, k_cache, indices, extra_k_cache, extra_indices, softmax_scale) -> None:
     """What _config_of reads, checked first so that a wrong argument is named."""
     for name, x, rank in (("q", q, 4), ("k_cache", k_cache, 4), ("indices", indices, 3),
-                          ("extra_k_cache", extra_k_cache, 4)):
-        if x is None and name in ("indices", "extra_k_cache"):
+                          ("extra_k_cache", extra_k_cache, 4),
+                          ("extra_indices_in_kvcache", extra_indices, 3)):
+        if x is None and name not in ("q", "k_cache"):
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: {type(x).__name__}, expected a torch.Tensor")
@@ -220,7 +222,7 @@ def flash_mla_with_kvcache(
     """
     if descale_q is not None or descale_k is not None:
         raise NotImplementedError("descale_q/descale_k: FP8 queries are not supported; pass bf16 q")
-    _check_arrays(q, k_cache, indices, extra_k_cache, softmax_scale)
+    _check_arrays(q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache, softmax_scale)
     k_cache, extra_k_cache = _cache_bytes(k_cache), _cache_bytes(extra_k_cache)
     meta = tile_scheduler_metadata
     uses_meta = isinstance(meta, FlashMLASchedMeta)

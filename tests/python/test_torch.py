@@ -146,14 +146,15 @@ def test_flash_mla_argument_checks():
         flash_mla.flash_mla_with_kvcache(q.float().numpy(), kc, None, None, 512, meta,
                                          is_fp8_kvcache=True, indices=idx)
     with pytest.raises(TypeError, match="softmax_scale: Tensor, expected a float or None"):
-        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, softmax_scale=torch.tensor(
-            0.05), is_fp8_kvcache=True, indices=idx)
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta,
+                                         softmax_scale=torch.tensor(0.05), is_fp8_kvcache=True,
+                                         indices=idx)
     # 512-wide bf16 dense caches (FlashMLA's head_size_k 512) are refused by name.
     with pytest.raises(ValueError, match="k_cache: last dim 512"):
         flash_mla.flash_mla_with_kvcache(
             torch.zeros(2, 1, 8, 512, dtype=torch.bfloat16),
-            torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32),
-            torch.ones(2, dtype=torch.int32), 512, meta)
+            torch.zeros(4, 64, 1, 512, dtype=torch.bfloat16),
+            torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 512, meta)
     assert not meta.have_initialized  # failed calls leave the metadata fresh
     with pytest.raises(NotImplementedError):
         flash_mla.flash_mla_sparse_fwd(kw["q"][0], kw["q"][0], kw["indices"][0], 0.1)
